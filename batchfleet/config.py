@@ -1,0 +1,148 @@
+"""Configuration: one typed, frozen object, built in one place from the environment.
+
+Every setting is an environment variable `BATCHFLEET_<FIELD>` (upper case), so `rq worker gpu0`,
+`producer` and `supervisor` on every host read the same thing. A misspelled `BATCHFLEET_*`
+variable is an error, not silently ignored. `REDIS_URL` (RQ's own variable) is honoured when
+`BATCHFLEET_REDIS_URL` is not set. CLIs may override fields with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from .errors import ConfigError
+
+__all__ = ["STRATEGIES", "Config", "gpu_index_for_queue"]
+
+ENV_PREFIX = "BATCHFLEET_"
+
+# The mamba strategy rungs batchfleet knows, in the order the supervisor climbs them.
+# "default" sends no strategy flag at all (the server's own `auto`); "no_radix" disables the
+# radix cache, which removes the per-request slot overhead altogether.
+STRATEGIES = ("default", "extra_buffer", "extra_buffer_lazy", "no_buffer", "no_radix")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    # Where the fleet meets.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    run: str = "default"
+    state_dir: Path = Path(".batchfleet")  # results database and logs on the producer/worker host
+    queues: tuple[str, ...] = ("gpu0",)  # where `producer enqueue` spreads prompts by default
+    queue_pattern: str = r"gpu\d+"  # which RQ queues a worker may take work from when its own is dry
+
+    # The SGLang server a worker owns.
+    sglang_cmd: str = "python -m sglang.launch_server"
+    model_path: str = ""
+    server_args: str = ""  # extra launch flags, shell-quoted
+    strategy: str = "default"  # one of STRATEGIES
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    server_host: str = "127.0.0.1"
+    port_base: int = 30000
+    gpu: int | None = None  # overrides the index taken from the queue name
+    server_api_key: str = ""
+    startup_timeout_s: float = 1200.0  # a 27B model can take many minutes to load and capture graphs
+
+    # How a worker runs prompts.
+    request_timeout_s: float = 3600.0  # one long generation, not the httpx default of 5 s
+    max_attempts: int = 6  # transient failures per prompt before it is failed
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    lease_ttl_s: float = 15.0  # a dead worker's prompts run again after at most this (+ reaper period)
+    status_interval_s: float = 2.0
+    shutdown_grace_s: float = 30.0  # SIGTERM: in-flight prompts get this long before they are handed back
+    max_pending_results: int = 500_000  # stop taking work when the collector falls this far behind
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.run):
+            raise ConfigError(f"run name {self.run!r} may only hold letters, digits, '_', '.' and '-'")
+        if not self.queues:
+            raise ConfigError("at least one queue is needed")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        for name in ("lease_ttl_s", "status_interval_s", "request_timeout_s", "startup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts must be at least 1")
+        try:
+            shlex.split(self.sglang_cmd + " " + self.server_args)
+        except ValueError as exc:
+            raise ConfigError(f"sglang_cmd/server_args do not parse as shell words: {exc}") from exc
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """Build the configuration from `env` (default: os.environ), then apply `overrides`."""
+        env = os.environ if env is None else env
+        hints = get_type_hints(cls)
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in env.items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            name = key[len(ENV_PREFIX) :].lower()
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {ENV_PREFIX}{close[0].upper()}?)" if close else ""
+                raise ConfigError(f"unknown setting {key}{hint}")
+            values[name] = _parse(name, hints[name], raw)
+        if "redis_url" not in values and env.get("REDIS_URL"):
+            values["redis_url"] = env["REDIS_URL"]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> Config:
+        return replace(self, **changes)
+
+    # --- derived values ------------------------------------------------------------------------
+    @property
+    def server_argv_extra(self) -> list[str]:
+        return shlex.split(self.server_args)
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def results_db(self) -> Path:
+        return self.state_dir / f"{self.run}.sqlite"
+
+    def port_for(self, gpu: int) -> int:
+        return self.port_base + gpu
+
+
+def gpu_index_for_queue(queue: str) -> int | None:
+    """`gpu3` -> 3; a queue not named after a GPU -> None."""
+    m = re.fullmatch(r"[A-Za-z_-]*?(\d+)", queue)
+    return int(m.group(1)) if m else None
+
+
+def _parse(name: str, hint: Any, raw: str) -> Any:
+    text = str(hint)
+    try:
+        if "tuple" in text:
+            return tuple(p.strip() for p in raw.split(",") if p.strip())
+        if "Path" in text:
+            return Path(raw)
+        if raw == "" and "None" in text:
+            return None
+        if "float" in text:
+            return float(raw)
+        if "int" in text:
+            return int(raw)
+        if "bool" in text:
+            return raw.strip().lower() in {"1", "true", "yes", "on"}
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r}: {exc}") from exc
+    return raw

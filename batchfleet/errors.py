@@ -1,0 +1,69 @@
+"""Exceptions say what to do about them.
+
+    BatchfleetError
+    ├── ConfigError          fix the configuration; nothing will work until then
+    ├── RetryableError       transient (connection reset, 5xx, 503 queue full): retry with backoff
+    ├── PromptError          this prompt can never succeed (HTTP 400, too long): fail it once, keep going
+    ├── JobRefused           the job is not ours (function not on the allow-list): fail it, never run it
+    └── ServerError          the SGLang server is unusable: stop taking work, restart the server
+        ├── ServerStartError     it did not become ready (exited, out of memory, timed out)
+        └── ServerDied           it was ready and then went away or stopped generating
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatchfleetError",
+    "ConfigError",
+    "JobRefused",
+    "PromptError",
+    "RetryableError",
+    "ServerDied",
+    "ServerError",
+    "ServerStartError",
+]
+
+
+class BatchfleetError(Exception):
+    """Root of every error batchfleet raises on purpose."""
+
+
+class ConfigError(BatchfleetError):
+    """The configuration is wrong: fix it and start again."""
+
+
+class RetryableError(BatchfleetError):
+    """A transient failure: the same request may succeed later."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class PromptError(BatchfleetError):
+    """The server refused this prompt for good (e.g. longer than the context): fail it once."""
+
+    def __init__(self, message: str, *, status_code: int, body: object = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+
+
+class JobRefused(BatchfleetError):
+    """The job names a function that batchfleet does not run."""
+
+
+class ServerError(BatchfleetError):
+    """The SGLang server cannot serve: hand work back and restart it."""
+
+    def __init__(self, message: str, *, log_tail: str = "") -> None:
+        super().__init__(message + (f"\n--- server log (tail) ---\n{log_tail}" if log_tail else ""))
+        self.log_tail = log_tail
+
+
+class ServerStartError(ServerError):
+    """The server never became ready."""
+
+
+class ServerDied(ServerError):
+    """The server was ready, then exited or stopped generating."""

@@ -1,0 +1,99 @@
+"""Every Redis key batchfleet reads or writes, and every TTL. Nothing else builds key strings.
+
+RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so that `rq info`,
+`rq requeue` and RQ's failed-job registry keep working; batchfleet's keys live under `bf:<run>:`.
+
+| key | type | written by | what |
+| --- | --- | --- | --- |
+| rq:queue:<q> | list | producer | job ids waiting on queue <q> (one per GPU) |
+| rq:queues | set | producer | RQ's index of queues |
+| rq:job:<id> | hash | producer/worker | the RQ job; deleted when it succeeds (result_ttl=0) |
+| rq:wip:<q> | zset | worker | RQ's started registry (`rq info` "executing") |
+| rq:failed:<q> | zset | worker | RQ's failed registry (`rq requeue` works on it) |
+| bf:<run>:leases | zset | worker | "<job id>:<execution id>" -> lease expiry; a dead worker's leases lapse |
+| bf:<run>:done | set | worker/collector | job ids whose result is in the stream but not yet collected |
+| bf:<run>:results | stream | worker | result records on their way to the collector (bounded by it) |
+| bf:<run>:stats | hash | all | counters: enqueued, succeeded, failed, requeued, tokens ... |
+| bf:<run>:workers | set | worker | names of workers that published a status record |
+| bf:<run>:status:<worker> | string | worker | the worker's latest status record (expires) |
+| bf:<run>:events | stream | supervisor/worker | decisions and restarts (capped) |
+| bf:<run>:control | hash | supervisor | desired server configuration and its generation |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RQ_JOB_PREFIX", "RQ_QUEUES", "RQ_QUEUE_PREFIX", "Keys"]
+
+RQ_QUEUE_PREFIX = "rq:queue:"
+RQ_JOB_PREFIX = "rq:job:"
+RQ_QUEUES = "rq:queues"
+RQ_STARTED_PREFIX = "rq:wip:"
+RQ_FAILED_PREFIX = "rq:failed:"
+
+# TTLs and caps, in seconds or entries.
+FAILURE_TTL_S = 7 * 24 * 3600  # failed jobs stay requeueable for a week (RQ's default is a year)
+STATUS_TTL_S = 30  # a worker silent this long is treated as gone
+STARTED_REGISTRY_TTL_S = 24 * 3600  # RQ's cleanup must never reap our jobs; leases do that job
+EVENTS_MAXLEN = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The key layout of one run."""
+
+    run: str = "default"
+
+    # --- RQ's layout -------------------------------------------------------------------------
+    @staticmethod
+    def queue(name: str) -> str:
+        return RQ_QUEUE_PREFIX + name
+
+    @staticmethod
+    def job(job_id: str) -> str:
+        return RQ_JOB_PREFIX + job_id
+
+    @staticmethod
+    def started(queue: str) -> str:
+        return RQ_STARTED_PREFIX + queue
+
+    @staticmethod
+    def failed(queue: str) -> str:
+        return RQ_FAILED_PREFIX + queue
+
+    # --- batchfleet's own ----------------------------------------------------------------------
+    @property
+    def prefix(self) -> str:
+        return f"bf:{self.run}:"
+
+    @property
+    def leases(self) -> str:
+        return self.prefix + "leases"
+
+    @property
+    def done(self) -> str:
+        return self.prefix + "done"
+
+    @property
+    def results(self) -> str:
+        return self.prefix + "results"
+
+    @property
+    def stats(self) -> str:
+        return self.prefix + "stats"
+
+    @property
+    def workers(self) -> str:
+        return self.prefix + "workers"
+
+    def status(self, worker: str) -> str:
+        return self.prefix + "status:" + worker
+
+    @property
+    def events(self) -> str:
+        return self.prefix + "events"
+
+    @property
+    def control(self) -> str:
+        return self.prefix + "control"

@@ -1,0 +1,153 @@
+"""The SGLang client every batchfleet process agrees on: requests, errors, capacity, metrics.
+
+Only a worker talks to its own server; the supervisor sees servers through status records.
+Error classes follow SGLang 0.5.23 (`../shared/reference/sglang.md` §3, §6):
+400/404/413/422 can never succeed -> PromptError; 408/429/5xx (503 "The request queue is full",
+500 "abort") and connection failures -> RetryableError.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any
+
+import httpx
+import orjson
+
+from .errors import PromptError, RetryableError
+from .records import ServerMetrics
+
+__all__ = [
+    "capacity_from_log",
+    "complete",
+    "effective_capacity",
+    "get_server_info",
+    "make_client",
+    "parse_metrics",
+]
+
+_PERMANENT = {400, 404, 413, 422}
+
+
+def make_client(
+    base_url: str, *, api_key: str = "", timeout_s: float, max_connections: int
+) -> httpx.AsyncClient:
+    """One shared client per server. httpx's defaults (5 s timeout, 100 connections) would starve
+    72 concurrent minute-long generations, so both are explicit."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(
+        base_url=base_url,
+        headers=headers,
+        timeout=httpx.Timeout(timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+    )
+
+
+async def complete(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST one OpenAI-shaped request; return the reply or raise PromptError/RetryableError."""
+    try:
+        resp = await client.post(url, content=orjson.dumps(body), headers={"Content-Type": "application/json"})
+    except (httpx.TransportError, httpx.TimeoutException) as exc:
+        raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
+    if resp.status_code == 200:
+        try:
+            return orjson.loads(resp.content)
+        except orjson.JSONDecodeError as exc:
+            raise RetryableError(f"unreadable reply: {resp.content[:200]!r}", status_code=200) from exc
+    message = error_message(resp)
+    if resp.status_code in _PERMANENT:
+        raise PromptError(message, status_code=resp.status_code, body=_json_or_none(resp))
+    raise RetryableError(message, status_code=resp.status_code)
+
+
+def error_message(resp: httpx.Response) -> str:
+    body = _json_or_none(resp)
+    if isinstance(body, dict):
+        for key in ("message", "error", "detail"):
+            value = body.get(key)
+            if isinstance(value, dict):
+                value = value.get("message")
+            if value:
+                return f"HTTP {resp.status_code}: {value}"
+    return f"HTTP {resp.status_code}: {resp.text[:300]}"
+
+
+def _json_or_none(resp: httpx.Response) -> Any:
+    try:
+        return orjson.loads(resp.content)
+    except orjson.JSONDecodeError:
+        return None
+
+
+async def get_server_info(client: httpx.AsyncClient) -> dict[str, Any]:
+    """`/server_info` on 0.5.23; `/get_server_info` on releases that only have the old name."""
+    for path in ("/server_info", "/get_server_info"):
+        resp = await client.get(path, timeout=10.0)
+        if resp.status_code == 404:
+            continue
+        resp.raise_for_status()
+        return orjson.loads(resp.content)
+    raise RetryableError("server has neither /server_info nor /get_server_info")
+
+
+def effective_capacity(info: dict[str, Any]) -> int | None:
+    """The number of requests the server really runs at once, or None when it does not say.
+
+    The top-level `max_running_requests` is what was REQUESTED (upstream issue #38846: it said 32
+    while the mamba cache had capped the server to 9), so it is deliberately not read here.
+    """
+    states = info.get("internal_states") or []
+    values = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
+    if values and all(isinstance(v, int) and v > 0 for v in values):
+        return sum(values)
+    return None
+
+
+_LOG_CAPACITY = re.compile(r"max_total_num_tokens=\d+.*?max_running_requests=(\d+)")
+_LOG_POST_CAPTURE = re.compile(r"Post-capture KV sizing: max_running_requests \d+ -> (\d+)")
+
+
+def capacity_from_log(text: str) -> int | None:
+    """The effective limit from the start-up log, for releases without the `effective_` key.
+
+    With several DP ranks each logs its own line (prefixed ` DPn`); the last value per rank counts,
+    and a post-capture re-sizing overrides the earlier figure."""
+    per_rank: dict[str, int] = {}
+    for line in text.splitlines():
+        m = _LOG_POST_CAPTURE.search(line) or _LOG_CAPACITY.search(line)
+        if m:
+            rank = re.search(r"\bDP(\d+)\b", line)
+            per_rank[rank.group(1) if rank else "0"] = int(m.group(1))
+    return sum(per_rank.values()) if per_rank else None
+
+
+_METRIC = re.compile(r"^(sglang:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
+_SUM = {
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "queued",
+    "sglang:gen_throughput": "gen_throughput",
+    "sglang:num_retracted_requests_total": "retracted",
+    "sglang:generation_tokens_total": "generation_tokens_total",
+}
+_MAX = {
+    "sglang:full_token_usage": "full_kv_usage",
+    "sglang:mamba_usage": "mamba_usage",
+    "sglang:token_usage": "token_usage",
+}
+_MEAN = {"sglang:cache_hit_rate": "cache_hit_rate"}
+
+
+def parse_metrics(text: str) -> ServerMetrics:
+    """Prometheus text from `/metrics` -> the gauges batchfleet watches, combined over ranks."""
+    seen: dict[str, list[float]] = defaultdict(list)
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m:
+            seen[m.group(1)].append(float(m.group(2)))
+    out: dict[str, float] = {}
+    for table, combine in ((_SUM, sum), (_MAX, max), (_MEAN, lambda v: sum(v) / len(v))):
+        for metric, name in table.items():
+            if seen.get(metric):
+                out[name] = combine(seen[metric])
+    return ServerMetrics(**out)

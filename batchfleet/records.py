@@ -9,16 +9,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
 
-__all__ = ["ENDPOINTS", "Event", "Prompt", "Result", "ServerMetrics", "WorkerStatus"]
+__all__ = ["ENDPOINTS", "Event", "Prompt", "Result", "ServerMetrics", "WorkerStatus", "job_id_for"]
 
 # The OpenAI batch `url`s batchfleet serves, each the same path on an SGLang server.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+
+
+def job_id_for(run: str, cid: str) -> str:
+    """The RQ job id of a prompt: the same custom_id in the same run is always the same job, which
+    is what makes enqueueing idempotent. Hashed so any custom_id (long, odd characters) is safe."""
+    return "bf-" + hashlib.blake2b(f"{run}\0{cid}".encode(), digest_size=12).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

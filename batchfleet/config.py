@@ -58,6 +58,7 @@ class Config:
     backoff_max_s: float = 30.0
     lease_ttl_s: float = 15.0  # a dead worker's prompts run again after at most this (+ reaper period)
     status_interval_s: float = 2.0
+    health_interval_s: float = 10.0  # how often a worker asks its server for a real generation
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight prompts get this long before they are handed back
     max_pending_results: int = 500_000  # stop taking work when the collector falls this far behind
 
@@ -70,7 +71,7 @@ class Config:
             raise ConfigError("at least one queue is needed")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ConfigError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        for name in ("lease_ttl_s", "status_interval_s", "request_timeout_s", "startup_timeout_s"):
+        for name in ("lease_ttl_s", "status_interval_s", "health_interval_s", "request_timeout_s", "startup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.max_attempts < 1:

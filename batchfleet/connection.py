@@ -30,3 +30,18 @@ def redacted(url: str) -> str:
         netloc = parts.netloc.replace(":" + parts.password + "@", ":***@")
         return urlunsplit(parts._replace(netloc=netloc))
     return url
+
+
+def async_client_like(conn: redis.Redis) -> redis.asyncio.Redis:
+    """An asyncio client to the same server, credentials and TLS as `conn` (the connection RQ's CLI
+    built from `--url`/`REDIS_URL`), so the worker never needs the URL twice."""
+    import redis.asyncio as aioredis
+
+    kwargs = dict(conn.connection_pool.connection_kwargs)
+    ssl = issubclass(conn.connection_pool.connection_class, redis.SSLConnection)
+    connection_class = aioredis.SSLConnection if ssl else aioredis.Connection
+    if issubclass(conn.connection_pool.connection_class, redis.UnixDomainSocketConnection):
+        connection_class = aioredis.UnixDomainSocketConnection
+    kwargs.pop("retry", None)
+    pool = aioredis.ConnectionPool(connection_class=connection_class, **kwargs)
+    return aioredis.Redis(connection_pool=pool)

@@ -1,0 +1,66 @@
+"""batchfleet's worker: `RQ_WORKER_CLASS=worker.GPUWorker rq worker gpu0`.
+
+`GPUWorker` is only the thin entry point `rq worker` needs: it registers with RQ (so `rq info`
+lists it), then hands over to `GPUService`, which owns the SGLang server and keeps exactly as many
+prompts in flight as the server can really run. RQ's own job loop (one job at a time, a new event
+loop per job) is not used; RQ's queues, job hashes and registries are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from rq.worker import BaseWorker
+
+from batchfleet.config import Config, gpu_index_for_queue
+from batchfleet.connection import async_client_like
+from batchfleet.errors import ConfigError
+from batchfleet.serializer import OrjsonSerializer
+
+from .service import GPUService
+
+__all__ = ["GPUWorker"]
+
+log = logging.getLogger("batchfleet.worker")
+
+
+class GPUWorker(BaseWorker):
+    """One process per GPU; the (first) queue name picks the GPU: `gpu3` -> GPU 3, port base + 3."""
+
+    def __init__(self, queues: Any, *args: Any, **kwargs: Any) -> None:
+        # Jobs are JSON whatever `rq worker -S` says: pickle would let Redis writers run code here.
+        kwargs["serializer"] = OrjsonSerializer
+        super().__init__(queues, *args, **kwargs)
+
+    def work(self, burst: bool = False, logging_level: str | None = "INFO", date_format: str = "%H:%M:%S",
+             log_format: str = "%(asctime)s %(name)s %(levelname)s %(message)s", **_: Any) -> bool:
+        logging.basicConfig(level=logging_level or "INFO", format=log_format, datefmt=date_format)
+        try:
+            config = Config.from_env()
+            queue = self.queue_names()[0]
+            gpu = config.gpu if config.gpu is not None else gpu_index_for_queue(queue)
+            if gpu is None:
+                raise ConfigError(f"queue {queue!r} names no GPU: call it gpuN or set BATCHFLEET_GPU")
+        except ConfigError as exc:
+            log.error("%s", exc)
+            sys.exit(2)
+        self.bootstrap(logging_level, date_format, log_format)
+        code = 1
+        try:
+            code = asyncio.run(self._serve(config, queue, gpu, burst))
+        finally:
+            self.teardown()
+        if code:
+            sys.exit(code)
+        return True
+
+    async def _serve(self, config: Config, queue: str, gpu: int, burst: bool) -> int:
+        client = async_client_like(self.connection)
+        try:
+            service = GPUService(config, client, worker=self.name, queue=queue, gpu=gpu, rq_heartbeat=self.heartbeat)
+            return await service.run(burst=burst)
+        finally:
+            await client.aclose()

@@ -1,0 +1,109 @@
+"""Which flags to pass to this SGLang server, decided from what its own `--help` lists.
+
+Flag spellings drift between releases (`--mamba-scheduler-strategy` became
+`--mamba-radix-cache-strategy` in 0.5.22 and the old spelling is gone; an unknown flag makes the
+server exit at once). So spellings are chosen from the installed server's `--help`, never from a
+table alone, and a flag the server does not list is never sent.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+
+from batchfleet.config import Config
+from batchfleet.errors import ConfigError, ServerStartError
+
+__all__ = ["ServerCLI", "build_argv", "read_server_cli"]
+
+NEW_STRATEGY_FLAG = "--mamba-radix-cache-strategy"  # 0.5.22+
+OLD_STRATEGY_FLAG = "--mamba-scheduler-strategy"  # before 0.5.22
+_FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
+_CHOICES = re.compile(r"(--[a-z0-9][a-z0-9-]*)\s+\{([^}]*)\}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerCLI:
+    """The flags (and their choices) one installed server accepts."""
+
+    flags: frozenset[str]
+    choices: dict[str, frozenset[str]]
+
+    @classmethod
+    def from_help(cls, text: str) -> ServerCLI:
+        choices = {m.group(1): frozenset(c.strip() for c in m.group(2).split(",")) for m in _CHOICES.finditer(text)}
+        return cls(flags=frozenset(_FLAG.findall(text)), choices=choices)
+
+    def knows(self, flag: str) -> bool:
+        return flag in self.flags
+
+    def accepts(self, flag: str, value: str) -> bool:
+        return self.knows(flag) and (flag not in self.choices or value in self.choices[flag])
+
+
+def read_server_cli(cmd: list[str], *, timeout_s: float = 300.0) -> ServerCLI:
+    """Run `<server command> --help` and read which flags it lists."""
+    try:
+        done = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ServerStartError(f"could not run {shlex.join(cmd)} --help: {exc}") from exc
+    text = done.stdout + done.stderr
+    if done.returncode != 0 or "--model-path" not in text:
+        raise ServerStartError(f"{shlex.join(cmd)} --help did not list --model-path (exit {done.returncode})",
+                               log_tail=text[-2000:])
+    return ServerCLI.from_help(text)
+
+
+def strategy_flags(strategy: str, cli: ServerCLI) -> list[str]:
+    """Flags for one rung of the strategy ladder on this server; ConfigError when it cannot do it."""
+    if strategy == "default":
+        return []  # the server's own `auto`
+    if strategy == "no_radix":
+        if not cli.knows("--disable-radix-cache"):
+            raise ConfigError("this server has no --disable-radix-cache")
+        return ["--disable-radix-cache"]
+    if cli.accepts(NEW_STRATEGY_FLAG, strategy):
+        out = [NEW_STRATEGY_FLAG, strategy]
+        # 0.5.23 refuses an explicit no_buffer while the overlap scheduler is on (`auto` would turn
+        # it off by itself); releases with the new spelling are the ones that validate this.
+        if strategy == "no_buffer" and cli.knows("--disable-overlap-schedule"):
+            out.append("--disable-overlap-schedule")
+        return out
+    if cli.accepts(OLD_STRATEGY_FLAG, strategy):
+        return [OLD_STRATEGY_FLAG, strategy]
+    raise ConfigError(f"this server accepts no mamba strategy {strategy!r} (neither {NEW_STRATEGY_FLAG} "
+                      f"nor {OLD_STRATEGY_FLAG} lists it)")
+
+
+def build_argv(config: Config, cli: ServerCLI, *, port: int, strategy: str | None = None,
+               mem_fraction_static: float | None = None, max_running_requests: int | None = None) -> list[str]:
+    """The full command line of one server. Explicit arguments override the configuration (the
+    supervisor's restarts use them); every generated flag is checked against `cli`."""
+    if not config.model_path:
+        raise ConfigError("no model: set BATCHFLEET_MODEL_PATH")
+    want: list[str] = ["--model-path", config.model_path, "--host", config.server_host, "--port", str(port)]
+    if cli.knows("--enable-metrics"):
+        want.append("--enable-metrics")  # the supervisor needs running/queued/KV/mamba gauges
+    mem = mem_fraction_static if mem_fraction_static is not None else config.mem_fraction_static
+    if mem is not None:
+        want += ["--mem-fraction-static", str(mem)]
+    mrr = max_running_requests if max_running_requests is not None else config.max_running_requests
+    if mrr is not None:
+        want += ["--max-running-requests", str(mrr)]
+    if config.server_api_key:
+        want += ["--api-key", config.server_api_key]
+    want += strategy_flags(strategy or config.strategy, cli)
+    extra = config.server_argv_extra
+    for token in extra:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--") and not cli.knows(flag):
+            raise ConfigError(f"BATCHFLEET_SERVER_ARGS has {flag}, which this server does not accept "
+                              "(see its --help); it would make the server exit at start-up")
+    for token in want:
+        if token.startswith("--") and not cli.knows(token):
+            raise ConfigError(f"this server does not accept {token}")
+    # Generated flags come last so that a restart's strategy/memory overrides win over the same
+    # flag in BATCHFLEET_SERVER_ARGS (argparse keeps the last occurrence).
+    return [*shlex.split(config.sglang_cmd), *extra, *want]

@@ -1,0 +1,195 @@
+"""One SGLang server subprocess, owned for its whole life: argv, start, readiness, log, capacity,
+health, and an idempotent stop (terminate -> wait -> kill)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from batchfleet import sglang
+from batchfleet.config import Config
+from batchfleet.errors import ServerDied, ServerStartError
+
+from .flags import ServerCLI, build_argv, read_server_cli
+
+__all__ = ["LaunchSpec", "SGLangServer"]
+
+log = logging.getLogger("batchfleet.worker.server")
+
+# Lines after which waiting longer cannot help.
+FATAL_LINES = ("CUDA out of memory", "OutOfMemoryError", "Address already in use")
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """What may change between two starts of the same GPU's server (the supervisor's knobs)."""
+
+    strategy: str = "default"
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    generation: int = 0
+
+
+class SGLangServer:
+    """The SGLang server of one GPU."""
+
+    def __init__(self, config: Config, *, gpu: int, port: int) -> None:
+        self.config = config
+        self.gpu = gpu
+        self.port = port
+        self.url = f"http://{config.server_host}:{port}"
+        self.log_path = config.log_dir / f"sglang-gpu{gpu}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.argv: list[str] = []
+        self.flags: list[str] = []  # argv without the command itself, for status records
+        self.spec = LaunchSpec()
+        self.capacity = 0
+        self._cli: ServerCLI | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def start(self, spec: LaunchSpec) -> int:
+        """Start, wait for a real generation, discover the effective capacity, return it."""
+        await self.stop()
+        if self._cli is None:
+            self._cli = await asyncio.to_thread(read_server_cli, shlex.split(self.config.sglang_cmd))
+        self.spec = spec
+        self.argv = build_argv(self.config, self._cli, port=self.port, strategy=spec.strategy,
+                               mem_fraction_static=spec.mem_fraction_static,
+                               max_running_requests=spec.max_running_requests)
+        self.flags = self.argv[len(shlex.split(self.config.sglang_cmd)):]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(self.gpu))
+        with self.log_path.open("ab") as logf:
+            logf.write(f"\n===== batchfleet: starting {shlex.join(self.argv)} =====\n".encode())
+            logf.flush()
+            self._log_offset = logf.tell()
+            # Own session: a stop signals the whole group (SGLang forks scheduler/detokenizer processes).
+            self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        log.info("gpu%d: started server pid %d: %s", self.gpu, self.proc.pid, shlex.join(self.argv))
+        await self._wait_ready()
+        self.capacity = await self._discover_capacity()
+        log.info("gpu%d: server ready at %s, effective max running requests = %d", self.gpu, self.url, self.capacity)
+        return self.capacity
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        async with self._client(timeout_s=30.0) as client:
+            while True:
+                self._check_alive(starting=True)
+                fatal = self._fatal_line()
+                if fatal:
+                    await self.stop()
+                    raise ServerStartError(f"gpu{self.gpu}: server failed to start: {fatal}", log_tail=self.log_tail())
+                try:
+                    # Ready means a real generation went through, not merely an open port.
+                    resp = await client.get("/health_generate")
+                    if resp.status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    await self.stop()
+                    raise ServerStartError(
+                        f"gpu{self.gpu}: server not ready after {self.config.startup_timeout_s:.0f} s",
+                        log_tail=self.log_tail())
+                await asyncio.sleep(0.25)
+
+    async def _discover_capacity(self) -> int:
+        """The EFFECTIVE max running requests (never the requested top-level value)."""
+        info: dict = {}
+        async with self._client(timeout_s=30.0) as client:
+            try:
+                info = await sglang.get_server_info(client)
+            except (httpx.HTTPError, Exception) as exc:
+                log.warning("gpu%d: server_info unavailable (%s); reading the start-up log", self.gpu, exc)
+        capacity = sglang.effective_capacity(info) or sglang.capacity_from_log(self._log_since_start())
+        if not capacity:
+            await self.stop()
+            raise ServerStartError(f"gpu{self.gpu}: could not discover the effective max running requests "
+                                   "(no internal_states[].effective_max_running_requests_per_dp, no start-up "
+                                   "log line)", log_tail=self.log_tail())
+        return capacity
+
+    async def stop(self, *, grace_s: float = 30.0) -> None:
+        """Idempotent: SIGTERM the process group, wait, then SIGKILL."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("gpu%d: server did not stop in %.0f s; killing it", self.gpu, grace_s)
+                _signal_group(proc, signal.SIGKILL)
+                await asyncio.to_thread(proc.wait, 10)
+        _signal_group(proc, signal.SIGKILL)  # leftovers of the group, if any
+        log.info("gpu%d: server stopped (exit %s)", self.gpu, proc.returncode)
+
+    def kill(self) -> None:
+        """Hard stop, for a hung server."""
+        if self.proc is not None:
+            _signal_group(self.proc, signal.SIGKILL)
+
+    # --- health ----------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _check_alive(self, *, starting: bool = False) -> None:
+        if self.proc is None:
+            raise ServerDied(f"gpu{self.gpu}: no server process")
+        code = self.proc.poll()
+        if code is not None:
+            cls = ServerStartError if starting else ServerDied
+            self.proc = None
+            raise cls(f"gpu{self.gpu}: server exited with status {code}", log_tail=self.log_tail())
+
+    async def check_health(self, client: httpx.AsyncClient, *, timeout_s: float = 30.0) -> None:
+        """Raise ServerDied if the process is gone or cannot generate (a hung server keeps its port
+        open and answers /ready, so health is judged by generation)."""
+        self._check_alive()
+        try:
+            resp = await client.get("/health_generate", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            self._check_alive()
+            raise ServerDied(f"gpu{self.gpu}: /health_generate failed: {type(exc).__name__}") from exc
+        if resp.status_code != 200:
+            raise ServerDied(f"gpu{self.gpu}: /health_generate answered {resp.status_code}")
+
+    # --- logs ------------------------------------------------------------------------------------
+    def _log_since_start(self) -> str:
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(getattr(self, "_log_offset", 0))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _fatal_line(self) -> str | None:
+        for line in self._log_since_start().splitlines()[-200:]:
+            if any(marker in line for marker in FATAL_LINES):
+                return line.strip()
+        return None
+
+    def log_tail(self, lines: int = 25) -> str:
+        return "\n".join(self._log_since_start().splitlines()[-lines:])
+
+    def _client(self, *, timeout_s: float) -> httpx.AsyncClient:
+        return sglang.make_client(self.url, api_key=self.config.server_api_key, timeout_s=timeout_s,
+                                  max_connections=4)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)

@@ -1,0 +1,226 @@
+"""One GPU's worker, assembled: its server, the dispatcher that keeps the server full, the ledger,
+the status record, lease upkeep, health checks, restarts and a clean stop.
+
+    start server ──ready──▶ serving ──server died/hung──▶ restarting ──▶ start server ...
+          │ start failed: state "down", reason and log tail published; retried with backoff
+    SIGTERM/SIGINT: stop claiming, finish in-flight up to the grace period, hand back the rest,
+    stop the server, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import time
+from collections.abc import Callable
+
+import httpx
+import redis.asyncio as aioredis
+
+from batchfleet import sglang
+from batchfleet.config import Config
+from batchfleet.errors import ConfigError, ServerDied, ServerStartError
+from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, Keys
+from batchfleet.records import Prompt, ServerMetrics, WorkerStatus
+
+from .dispatcher import Dispatcher
+from .ledger import Ledger
+from .server import LaunchSpec, SGLangServer
+from .status import HOST, StatusPublisher, scrape_metrics
+
+__all__ = ["GPUService"]
+
+log = logging.getLogger("batchfleet.worker")
+
+
+class GPUService:
+    def __init__(self, config: Config, client: aioredis.Redis, *, worker: str, queue: str, gpu: int,
+                 rq_heartbeat: Callable[[], object] = lambda: None) -> None:
+        self.config = config
+        self.r = client
+        self.k = Keys(config.run)
+        self.worker = worker
+        self.queue = queue
+        self.gpu = gpu
+        self.rq_heartbeat = rq_heartbeat
+        self.server = SGLangServer(config, gpu=gpu, port=config.port_for(gpu))
+        self.ledger = Ledger(client, self.k, worker=worker, lease_ttl_s=config.lease_ttl_s)
+        self.state = "starting"
+        self.message = ""
+        self.metrics = ServerMetrics()
+        self._steal_order: list[str] = [queue]
+        self._http: httpx.AsyncClient | None = None
+        self.dispatcher = Dispatcher(self.ledger, self._generate, config=config, worker=worker,
+                                     queues=lambda: self._steal_order, server_ok=self._server_ok)
+        self.publisher = StatusPublisher(client, self.k, snapshot=self.snapshot)
+        self.stop_requested = asyncio.Event()
+
+    # --- entry point ----------------------------------------------------------------------------
+    async def run(self, *, burst: bool = False) -> int:
+        """Serve until stopped (or, in burst mode, until the queues are empty). Returns an exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        background = [asyncio.create_task(c) for c in (self.ledger.run_flusher(), self._upkeep(), self._status_loop())]
+        serving = asyncio.create_task(self._keep_serving())
+        claiming = asyncio.create_task(self.dispatcher.run(burst=burst))
+        stop = asyncio.create_task(self.stop_requested.wait())
+        code = 0
+        try:
+            done, _ = await asyncio.wait({serving, claiming, stop}, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stop and t.exception() is not None:
+                    log.error("worker stopping on an unexpected error", exc_info=t.exception())
+                    code = 1
+        finally:
+            handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
+            for t in (serving, claiming, stop):
+                t.cancel()
+            await asyncio.gather(serving, claiming, stop, return_exceptions=True)
+            self.state = "down"
+            self.message = f"stopped ({handed} prompt(s) handed back)"
+            await self.server.stop()
+            for t in background:
+                t.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self.ledger.flush()
+            await self.publisher.forget(self.worker)
+            if self._http is not None:
+                await self._http.aclose()
+            log.info("worker %s stopped: %d done, %d failed, %d handed back", self.worker,
+                     self.dispatcher.done, self.dispatcher.failed, self.dispatcher.handed_back)
+        return code
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.stop_requested.is_set():
+            return
+        log.info("%s: stop taking work; finishing in-flight prompts for up to %.0f s",
+                 signal.Signals(sig).name, self.config.shutdown_grace_s)
+        self.dispatcher.accepting.clear()
+        self.stop_requested.set()
+
+    # --- the server's life ------------------------------------------------------------------------
+    async def _keep_serving(self) -> None:
+        failures = 0
+        while True:
+            self.state = "starting"
+            try:
+                capacity = await self.server.start(self._launch_spec())
+            except ServerStartError as exc:
+                failures += 1
+                self.state, self.message = "down", str(exc)
+                log.error("gpu%d: %s", self.gpu, exc)
+                await self.publisher.publish()
+                await asyncio.sleep(min(300.0, 5.0 * 2 ** (failures - 1)))
+                continue
+            except ConfigError as exc:
+                self.state, self.message = "down", f"configuration error: {exc}"
+                log.error("gpu%d: %s", self.gpu, self.message)
+                await self.publisher.publish()
+                raise
+            failures = 0
+            await self._open_http(capacity)
+            await self.dispatcher.slots.resize(capacity)
+            self.state, self.message = "serving", ""
+            self.dispatcher.accepting.set()
+            await self.publisher.publish()
+            try:
+                await self._watch_server()
+            except ServerDied as exc:
+                log.error("gpu%d: %s; restarting it", self.gpu, exc)
+                self.state, self.message = "restarting", str(exc).splitlines()[0]
+                self.dispatcher.accepting.clear()
+                self.server.kill()  # in-flight requests now fail and are handed back untouched
+                await self.publisher.publish()
+
+    async def _watch_server(self) -> None:
+        """Return only by raising ServerDied: the process exited or generation is stuck."""
+        misses = 0
+        last_health = time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            if not self.server.running:
+                self.server._check_alive()
+            if time.monotonic() - last_health < self.config.health_interval_s:
+                continue
+            last_health = time.monotonic()
+            try:
+                await self.server.check_health(self._http, timeout_s=max(5.0, self.config.health_interval_s))
+                misses = 0
+            except ServerDied as exc:
+                if not self.server.running:
+                    raise
+                misses += 1  # a busy server may miss once; twice in a row is a hang
+                log.warning("gpu%d: health check failed (%d in a row): %s", self.gpu, misses, exc)
+                if misses >= 2:
+                    raise
+
+    def _launch_spec(self) -> LaunchSpec:
+        return LaunchSpec(strategy=self.config.strategy, mem_fraction_static=self.config.mem_fraction_static,
+                          max_running_requests=self.config.max_running_requests)
+
+    async def _open_http(self, capacity: int) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+        # A few connections beyond capacity for health checks and metrics scrapes.
+        self._http = sglang.make_client(self.server.url, api_key=self.config.server_api_key,
+                                        timeout_s=self.config.request_timeout_s, max_connections=capacity + 4)
+
+    def _server_ok(self) -> bool:
+        return self.state == "serving" and self.server.running
+
+    async def _generate(self, prompt: Prompt) -> dict:
+        assert self._http is not None
+        return await sglang.complete(self._http, prompt.url, prompt.body)
+
+    # --- upkeep: leases, recovery of dead workers' prompts, work stealing order ----------------------
+    async def _upkeep(self) -> None:
+        period = max(0.5, self.config.lease_ttl_s / 3)
+        pattern = re.compile(self.config.queue_pattern)
+        while True:
+            try:
+                await self.ledger.renew()
+                recovered = await self.ledger.recover_lapsed()
+                if recovered:
+                    log.warning("recovered %d prompt(s) from a worker that stopped renewing its leases",
+                                len(recovered))
+                self._steal_order = await self._queue_order(pattern)
+            except Exception:  # Redis hiccup: keep trying; leases have slack for a missed beat
+                log.exception("lease upkeep failed")
+            await asyncio.sleep(period)
+
+    async def _queue_order(self, pattern: re.Pattern[str]) -> list[str]:
+        """Own queue first, then the other GPUs' queues, longest backlog first (work stealing)."""
+        names = [m.decode()[len(RQ_QUEUE_PREFIX):] for m in await self.r.smembers(RQ_QUEUES)]
+        others = [q for q in names if q != self.queue and pattern.fullmatch(q)]
+        if not others:
+            return [self.queue]
+        async with self.r.pipeline(transaction=False) as pipe:
+            for q in others:
+                pipe.llen(Keys.queue(q))
+            lengths = await pipe.execute()
+        ranked = [q for n, q in sorted(zip(lengths, others, strict=True), reverse=True) if n > 0]
+        return [self.queue, *ranked]
+
+    # --- status ------------------------------------------------------------------------------------
+    async def _status_loop(self) -> None:
+        while True:
+            try:
+                if self._http is not None and self.server.running:
+                    self.metrics = await scrape_metrics(self._http)
+                await self.publisher.publish()
+                await asyncio.to_thread(self.rq_heartbeat)
+            except Exception:
+                log.exception("status publish failed")
+            await asyncio.sleep(self.config.status_interval_s)
+
+    def snapshot(self) -> WorkerStatus:
+        return WorkerStatus(
+            worker=self.worker, host=HOST, queue=self.queue, gpu=self.gpu, state=self.state,
+            server_url=self.server.url, strategy=self.server.spec.strategy, server_flags=self.server.flags,
+            generation=self.server.spec.generation, effective_max=self.dispatcher.slots.capacity,
+            in_flight=self.dispatcher.in_flight, done=self.dispatcher.done, failed=self.dispatcher.failed,
+            tokens_per_s=round(self.dispatcher.tokens_per_s(), 1), metrics=self.metrics, message=self.message)
+

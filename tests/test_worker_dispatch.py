@@ -1,0 +1,128 @@
+"""The dispatcher against a real Redis and an in-process backend: exact concurrency, retries,
+permanent failures, refused jobs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+from rq import Queue
+from rq.registry import FailedJobRegistry
+
+from batchfleet.config import Config
+from batchfleet.errors import PromptError, RetryableError
+from batchfleet.keys import Keys
+from batchfleet.records import Prompt, Result
+from batchfleet.serializer import OrjsonSerializer
+from worker.dispatcher import Dispatcher
+from worker.ledger import Ledger
+
+
+def enqueue(r, n: int, func: str = "batchfleet.jobs.generate", queue: str = "gpu0") -> list[str]:
+    q = Queue(queue, connection=r, serializer=OrjsonSerializer)
+    return [q.enqueue(func, {"cid": f"c{i}", "seq": i, "url": "/v1/completions", "body": {"prompt": f"p{i}"}},
+                      result_ttl=0).id for i in range(n)]
+
+
+class Backend:
+    """Counts concurrency; fails some prompts on purpose."""
+
+    def __init__(self, delay_s: float = 0.01, transient: dict[str, int] | None = None,
+                 permanent: set[str] | None = None) -> None:
+        self.delay_s = delay_s
+        self.transient = dict(transient or {})
+        self.permanent = permanent or set()
+        self.running = 0
+        self.peak = 0
+        self.calls: list[str] = []
+
+    async def __call__(self, prompt: Prompt) -> dict:
+        self.calls.append(prompt.cid)
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            await asyncio.sleep(self.delay_s)
+            if self.transient.get(prompt.cid, 0) > 0:
+                self.transient[prompt.cid] -= 1
+                raise RetryableError("HTTP 503: The request queue is full.", status_code=503)
+            if prompt.cid in self.permanent:
+                raise PromptError("HTTP 400: The input (9000 tokens) is longer than the model's context length "
+                                  "(4096 tokens).", status_code=400)
+            return {"choices": [{"text": prompt.body["prompt"].upper()}], "usage": {"completion_tokens": 3}}
+        finally:
+            self.running -= 1
+
+
+def run_burst(redis_url: str, backend: Backend, capacity: int, **config) -> Dispatcher:
+    async def go() -> Dispatcher:
+        client = aioredis.from_url(redis_url)
+        ledger = Ledger(client, Keys("t"), worker="w", lease_ttl_s=15)
+        d = Dispatcher(ledger, backend, config=Config(run="t", **config), worker="w", queues=lambda: ["gpu0"])
+        sleeps: list[float] = []
+
+        async def no_sleep(s: float) -> None:
+            sleeps.append(s)
+
+        d.retry_sleep = no_sleep
+        d.sleeps = sleeps  # type: ignore[attr-defined]
+        await d.slots.resize(capacity)
+        d.accepting.set()
+        flusher = asyncio.create_task(ledger.run_flusher())
+        await d.run(burst=True)
+        await d.drain(5)
+        flusher.cancel()
+        await client.aclose()
+        return d
+
+    return asyncio.run(go())
+
+
+def results(r) -> dict[str, Result]:
+    return {res.cid: res for res in (Result.from_json(f[b"r"]) for _, f in r.xrange(Keys("t").results))}
+
+
+def test_exactly_capacity_in_flight(r, redis_url):
+    enqueue(r, 200)
+    backend = Backend(delay_s=0.02)
+    d = run_burst(redis_url, backend, capacity=13)
+    assert backend.peak == 13
+    assert d.done == 200
+    got = results(r)
+    assert len(got) == 200 and got["c5"].body["choices"][0]["text"] == "P5"
+    assert Queue("gpu0", connection=r).count == 0
+
+
+def test_transient_errors_retry_with_backoff_then_succeed_or_fail(r, redis_url):
+    enqueue(r, 3)
+    backend = Backend(transient={"c0": 2, "c1": 99})
+    d = run_burst(redis_url, backend, capacity=2, max_attempts=4, backoff_base_s=0.5, backoff_max_s=1.0)
+    got = results(r)
+    assert got["c0"].ok and got["c0"].attempts == 3
+    assert not got["c1"].ok and got["c1"].error["code"] == "retries_exhausted" and got["c1"].attempts == 4
+    assert got["c2"].ok and got["c2"].attempts == 1
+    assert backend.calls.count("c1") == 4
+    # capped exponential backoff with jitter: 0.25-0.5, 0.5-1.0, then capped at 1.0
+    assert all(0.25 <= s <= 1.0 for s in d.sleeps) and len(d.sleeps) == 2 + 3
+
+
+def test_permanent_error_fails_once_with_the_servers_reason(r, redis_url):
+    ids = enqueue(r, 3)
+    backend = Backend(permanent={"c1"})
+    run_burst(redis_url, backend, capacity=3)
+    got = results(r)
+    assert backend.calls.count("c1") == 1
+    assert got["c1"].error == {"code": "invalid_prompt", "message": "HTTP 400: The input (9000 tokens) is longer "
+                               "than the model's context length (4096 tokens)."}
+    assert got["c1"].status_code == 400
+    assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [ids[1]]
+
+
+def test_job_naming_another_function_is_refused_and_never_run(r, redis_url):
+    (bad,) = enqueue(r, 1, func="platform.node")
+    enqueue(r, 1)
+    backend = Backend()
+    run_burst(redis_url, backend, capacity=2)
+    assert backend.calls == ["c0"]  # only the allowed job reached the backend
+    assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [bad]
+    refused = [x for x in results(r).values() if not x.ok]
+    assert refused[0].error["code"] == "refused" and "platform.node" in refused[0].error["message"]

@@ -1,0 +1,155 @@
+"""The worker's batched Redis bookkeeping against a real Redis, checked through RQ's own API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+import redis.asyncio as aioredis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+
+from batchfleet.keys import Keys
+from batchfleet.records import Result
+from batchfleet.serializer import OrjsonSerializer
+from worker.ledger import Ledger, parse_job_data
+
+
+def enqueue(r, queue: str, n: int) -> list[str]:
+    q = Queue(queue, connection=r, serializer=OrjsonSerializer)
+    ids = []
+    for i in range(n):
+        job = q.enqueue("batchfleet.jobs.generate", {"cid": f"c{i}", "seq": i, "url": "/v1/completions",
+                                                    "body": {"prompt": f"p{i}"}}, result_ttl=0)
+        ids.append(job.id)
+    return ids
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _ledger(url: str, lease_ttl_s: float = 15.0) -> Ledger:
+    return Ledger(aioredis.from_url(url), Keys("t"), worker="w1", lease_ttl_s=lease_ttl_s)
+
+
+def test_claim_takes_own_queue_first_then_others(r, redis_url):
+    own = enqueue(r, "gpu0", 2)
+    other = enqueue(r, "gpu1", 3)
+
+    async def go():
+        ledger = await _ledger(redis_url)
+        claims = await ledger.claim(4, ["gpu0", "gpu1"])
+        return [c.jid for c in claims], [c.origin for c in claims], claims
+
+    jids, origins, claims = run(go())
+    assert jids == own + other[:2]
+    assert origins == ["gpu0", "gpu0", "gpu1", "gpu1"]
+    func, args, _ = parse_job_data(claims[0].data)
+    assert func == "batchfleet.jobs.generate" and args[0]["cid"] == "c0"
+    # RQ sees them as started, in the registry of the queue they came from.
+    assert StartedJobRegistry("gpu0", connection=r).count == 2
+    assert StartedJobRegistry("gpu1", connection=r).count == 2
+    assert Queue("gpu1", connection=r).count == 1
+    assert Job.fetch(own[0], connection=r, serializer=OrjsonSerializer).get_status() == JobStatus.STARTED
+
+
+def test_finish_success_and_failure(r, redis_url):
+    ok_id, bad_id = enqueue(r, "gpu0", 2)
+    k = Keys("t")
+
+    async def go():
+        ledger = await _ledger(redis_url)
+        a, b = await ledger.claim(2, ["gpu0"])
+        ledger.finish(a, Result(cid="c0", jid=a.jid, seq=0, status_code=200,
+                                body={"usage": {"completion_tokens": 7}}))
+        ledger.finish(b, Result(cid="c1", jid=b.jid, seq=1, status_code=400,
+                                error={"code": "invalid_prompt", "message": "too long"}), "invalid_prompt: too long")
+        await ledger.flush()
+
+    run(go())
+    assert not r.exists(Keys.job(ok_id))  # result_ttl=0: the success leaves Redis
+    assert StartedJobRegistry("gpu0", connection=r).count == 0
+    failed = FailedJobRegistry("gpu0", connection=r)
+    assert failed.get_job_ids() == [bad_id]
+    job = Job.fetch(bad_id, connection=r, serializer=OrjsonSerializer)
+    assert job.get_status() == JobStatus.FAILED
+    entries = r.xrange(k.results)
+    results = [Result.from_json(fields[b"r"]) for _, fields in entries]
+    assert [(x.cid, x.ok) for x in results] == [("c0", True), ("c1", False)]
+    assert r.smembers(k.done) == {ok_id.encode(), bad_id.encode()}
+    stats = {kk.decode(): int(v) for kk, v in r.hgetall(k.stats).items()}
+    assert stats["succeeded"] == 1 and stats["failed"] == 1 and stats["completion_tokens"] == 7
+    assert stats["failed:gpu0"] == 1
+    # RQ's own requeue works on our failed job.
+    failed.requeue(bad_id)
+    assert Queue("gpu0", connection=r).job_ids == [bad_id]
+
+
+def test_lapsed_lease_is_recovered_and_the_late_finish_is_dropped(r, redis_url):
+    (jid,) = enqueue(r, "gpu0", 1)
+    k = Keys("t")
+
+    async def go():
+        dead = await _ledger(redis_url, lease_ttl_s=0.2)
+        (claim,) = await dead.claim(1, ["gpu0"])
+        await asyncio.sleep(0.3)
+        live = await _ledger(redis_url)
+        recovered = await live.recover_lapsed()
+        assert recovered == [jid]
+        # The job is back at the front of its queue, queued again.
+        assert r.lrange(Keys.queue("gpu0"), 0, -1) == [jid.encode()]
+        # The stalled worker wakes up and reports: refused, no result published.
+        dead.finish(claim, Result(cid="c0", jid=jid, seq=0, status_code=200, body={}))
+        await dead.flush()
+        assert dead.stale == 1
+        (again,) = await live.claim(1, ["gpu0"])
+        live.finish(again, Result(cid="c0", jid=jid, seq=0, status_code=200, body={}))
+        await live.flush()
+
+    run(go())
+    assert r.xlen(k.results) == 1
+    assert int(r.hget(k.stats, "recovered")) == 1
+
+
+def test_renewed_leases_are_not_recovered(r, redis_url):
+    enqueue(r, "gpu0", 1)
+
+    async def go():
+        ledger = await _ledger(redis_url, lease_ttl_s=0.4)
+        await ledger.claim(1, ["gpu0"])
+        for _ in range(4):
+            await asyncio.sleep(0.15)
+            await ledger.renew()
+        return await ledger.recover_lapsed()
+
+    assert run(go()) == []
+
+
+def test_hand_back_puts_jobs_at_the_front(r, redis_url):
+    ids = enqueue(r, "gpu0", 3)
+
+    async def go():
+        ledger = await _ledger(redis_url)
+        claims = await ledger.claim(2, ["gpu0"])
+        assert await ledger.hand_back(claims) == 2
+
+    run(go())
+    assert sorted(r.lrange(Keys.queue("gpu0"), 0, -1)) == sorted(j.encode() for j in ids)
+    assert StartedJobRegistry("gpu0", connection=r).count == 0
+    assert Job.fetch(ids[0], connection=r, serializer=OrjsonSerializer).get_status() == JobStatus.QUEUED
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_parse_job_data_never_unpickles(compressed):
+    import zlib
+
+    raw = orjson.dumps(["batchfleet.jobs.generate", None, [{"cid": "x"}], {}])
+    func, args, kwargs = parse_job_data(zlib.compress(raw) if compressed else raw)
+    assert func == "batchfleet.jobs.generate" and args == [{"cid": "x"}] and kwargs == {}
+    import pickle
+
+    with pytest.raises(orjson.JSONDecodeError):
+        parse_job_data(pickle.dumps(("os.system", None, ["true"], {})))

@@ -1,0 +1,353 @@
+"""The continuous-batching scheduler: waiting queue, admission, prefill, decode, in model time.
+
+CPU matters more than fidelity here (8 simulators and 8 workers share 2 cores), so nothing sleeps
+per token: one ticker wakes every TICK_S of wall time, turns the elapsed wall time into model time
+(x SGLANG_SIM_TIME_SCALE) and lets each dp rank run as many prefill batches and decode steps as
+fit, jumping over runs of identical decode steps in one pass (every running request gains one
+token per step, so k steps are one addition).
+
+Mamba slots a running request *holds* (for `mamba usage`) differ from the `ratio` it *reserves*
+for admission: 1 working slot, plus (ratio - 3) tracking slots under extra_buffer variants, plus
+one locked cached-prefix state per two running requests while the radix cache is on. Under the
+seed default that is 32 * 3 + 16 = 112 of 187 slots (0.60) with 32 running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .faults import Faults
+from .logs import log
+from .memory import MemoryPlan
+from .metrics import Metrics
+from .prefix_cache import PrefixCache
+from .profiles import Profile
+
+__all__ = ["Engine", "EngineConfig", "QueueFullError", "Request"]
+
+TICK_S = 0.015
+
+
+class QueueFullError(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_words: list[str]
+    output_words: list[str]
+    finish_reason: str  # "stop" | "length" once all output words are out
+    matched_stop: str | None
+    endpoint: str
+    internal: bool = False  # health probes: not counted in metrics, record or faults
+    arrival_model: float = 0.0
+    admitted_model: float | None = None
+    first_token_model: float | None = None
+    finish_model: float | None = None
+    cached_tokens: int = 0
+    generated: int = 0
+    state: str = "waiting"  # waiting | running | finished | aborted
+    abort_message: str | None = None
+    abort_status: int = 200
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return max(1, len(self.prompt_words))
+
+    @property
+    def remaining(self) -> int:
+        return len(self.output_words) - self.generated
+
+    @property
+    def reserve_tokens(self) -> int:
+        # The simulator knows the final length, so it reserves exactly that: no retraction is modelled.
+        return self.prompt_tokens + len(self.output_words)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    profile: Profile
+    plan: MemoryPlan
+    strategy: str
+    overlap: bool
+    radix: bool
+    decode_log_interval: int
+    time_scale: float
+    max_queued: int | None
+    dp_size: int
+    tp_size: int
+
+
+class Rank:
+    """One data-parallel rank: its own queue, batch and memory pools."""
+
+    def __init__(self, engine: Engine, index: int) -> None:
+        self.engine, self.index = engine, index
+        cfg = engine.cfg
+        self.cap = cfg.plan.effective_max_running
+        self.tokens = cfg.plan.max_total_num_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.t = 0.0  # this rank's model clock (lags the global clock by less than one step)
+        self.decode_steps = 0
+        self.cache = PrefixCache(self.tokens // 2, enabled=cfg.radix)
+        self.last_log_t, self.last_log_tokens, self.gen_tokens = 0.0, 0, 0
+        self.gen_throughput = 0.0
+        self.hung = False
+        self.idle_since: float | None = None
+
+    # ---- usage figures -------------------------------------------------------------------
+    def used_tokens(self) -> int:
+        return sum(r.prompt_tokens + r.generated for r in self.running)
+
+    def mamba_used(self) -> int:
+        cfg = self.engine.cfg
+        if not cfg.profile.hybrid:
+            return 0
+        n = len(self.running)
+        if not cfg.radix:
+            return n
+        live = cfg.plan.ratio - 2 if cfg.strategy.startswith("extra_buffer") else 1
+        return n * live + math.ceil(n / 2)
+
+    def full_usage(self) -> float:
+        return self.used_tokens() / self.tokens
+
+    def mamba_usage(self) -> float:
+        pool = self.engine.cfg.plan.mamba_pool
+        return self.mamba_used() / pool if pool else 0.0
+
+    def _log(self, msg: str) -> None:
+        cfg = self.engine.cfg
+        log(msg, dp_rank=self.index if cfg.dp_size > 1 else None, tp_rank=0 if cfg.tp_size > 1 else None)
+
+    def _usage_text(self) -> str:
+        if self.engine.cfg.profile.hybrid:
+            return (f"#full token: {self.used_tokens()}, full token usage: {self.full_usage():.2f}, "
+                    f"mamba num: {self.mamba_used()}, mamba usage: {self.mamba_usage():.2f}")
+        return f"#token: {self.used_tokens()}, token usage: {self.full_usage():.2f}"
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def _admit(self) -> list[Request]:
+        batch: list[Request] = []
+        budget = self.engine.cfg.plan.chunked_prefill_size
+        reserved = sum(r.reserve_tokens for r in self.running)
+        new_tokens = 0
+        while self.waiting and len(self.running) + len(batch) < self.cap:
+            req = self.waiting[0]
+            if req.state != "waiting":
+                self.waiting.popleft()
+                continue
+            if reserved + req.reserve_tokens > self.tokens:
+                if not self.running and not batch:  # cannot fit even alone
+                    self.waiting.popleft()
+                    self.engine.finish_abort(req, "Input is too long to fit in the KV cache.", status=500)
+                    continue
+                break
+            cached = self.cache.match(req.prompt_words)
+            if batch and new_tokens + req.prompt_tokens - cached > budget:
+                break
+            self.waiting.popleft()
+            req.cached_tokens = cached
+            batch.append(req)
+            reserved += req.reserve_tokens
+            new_tokens += req.prompt_tokens - cached
+        return batch
+
+    def advance(self, now: float) -> None:
+        """Run prefill batches and decode steps until this rank's clock reaches `now`."""
+        engine, profile = self.engine, self.engine.cfg.profile
+        if self.hung:
+            return
+        while True:
+            batch = self._admit()
+            if batch:
+                new_tokens = sum(r.prompt_tokens - r.cached_tokens for r in batch)
+                self.t = max(self.t, min(r.arrival_model for r in batch))
+                self.t += profile.prefill_s(new_tokens)
+                for r in batch:
+                    r.state, r.admitted_model = "running", self.t
+                    self.running.append(r)
+                    engine.on_admitted(r)
+                    r.generated = min(1, len(r.output_words))  # prefill samples the first token
+                    r.first_token_model = self.t
+                    r.changed.set()
+                self.gen_tokens += sum(r.generated for r in batch)
+                engine.metrics.on_prefill(batch, self.t)
+                if profile.hybrid:
+                    usage = f"full token usage: {self.full_usage():.2f}, mamba usage: {self.mamba_usage():.2f}"
+                else:
+                    usage = f"token usage: {self.full_usage():.2f}"
+                self._log(
+                    f"Prefill batch, #new-seq: {len(batch)}, #new-token: {new_tokens}, "
+                    f"#cached-token: {sum(r.cached_tokens for r in batch)}, {usage}, "
+                    f"#running-req: {len(self.running)}, #queue-req: {len(self.waiting)}"
+                )
+                self._retire(engine)
+                if self.hung:
+                    return
+                continue
+            if not self.running:
+                self.t = max(self.t, now)
+                # Idle time must not dilute the next throughput window; after 1 s idle report 0.
+                if self.idle_since is None:
+                    self.idle_since = self.t
+                elif self.t - self.idle_since > 1.0:
+                    self.gen_throughput = 0.0
+                self.last_log_t, self.last_log_tokens = self.t, self.gen_tokens
+                return
+            self.idle_since = None
+            step = profile.decode_step_s(len(self.running))
+            fit = int((now - self.t) / step)
+            if fit <= 0:
+                return
+            interval = self.engine.cfg.decode_log_interval
+            to_log = interval - self.decode_steps % interval
+            k = min(fit, min(r.remaining for r in self.running), to_log)
+            k = max(k, 1)
+            self.t += k * step
+            self.decode_steps += k
+            for r in self.running:
+                r.generated += k
+                r.changed.set()
+            self.gen_tokens += k * len(self.running)
+            engine.metrics.generation_tokens += k * sum(1 for r in self.running if not r.internal)
+            if self.decode_steps % interval == 0:
+                self._decode_log()
+            self._retire(engine)
+
+    def _decode_log(self) -> None:
+        span = self.t - self.last_log_t
+        if span > 0:
+            self.gen_throughput = (self.gen_tokens - self.last_log_tokens) / span
+        self.last_log_t, self.last_log_tokens = self.t, self.gen_tokens
+        graph = len(self.running) <= (self.engine.cfg.plan.effective_max_running)
+        self._log(
+            f"Decode batch, #running-req: {len(self.running)}, {self._usage_text()}, "
+            f"cuda graph: {graph}, gen throughput (token/s): {self.gen_throughput:.2f}, "
+            f"#queue-req: {len(self.waiting)}"
+        )
+
+    def _retire(self, engine: Engine) -> None:
+        still = []
+        for r in self.running:
+            if r.state == "aborted":
+                continue
+            if r.remaining <= 0:
+                r.state, r.finish_model = "finished", self.t
+                self.cache.insert(r.prompt_words)
+                engine.metrics.on_finish(r)
+                r.changed.set()
+                r.done.set()
+            else:
+                still.append(r)
+        self.running = still
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, *, faults: Faults, metrics: Metrics) -> None:
+        self.cfg, self.faults, self.metrics = cfg, faults, metrics
+        self.ranks = [Rank(self, i) for i in range(cfg.dp_size)]
+        self._wall0 = time.monotonic()
+        self._next_rank = 0
+        self.admitted_total = 0
+        self.peak_running = 0
+        self.peak_queued = 0
+        self.on_tick: list = []  # callbacks after each tick (observation record)
+        self._task: asyncio.Task | None = None
+
+    def model_now(self) -> float:
+        return (time.monotonic() - self._wall0) * self.cfg.time_scale
+
+    @property
+    def running(self) -> int:
+        return sum(len(r.running) for r in self.ranks)
+
+    @property
+    def queued(self) -> int:
+        return sum(sum(1 for q in r.waiting if q.state == "waiting") for r in self.ranks)
+
+    @property
+    def gen_throughput(self) -> float:
+        return sum(r.gen_throughput for r in self.ranks)
+
+    def submit(self, req: Request) -> None:
+        """Queue a request on the next dp rank (round robin); QueueFullError past --max-queued-requests."""
+        if self.cfg.max_queued is not None and not req.internal and self.queued >= self.cfg.max_queued:
+            raise QueueFullError("The request queue is full.")
+        req.arrival_model = self.model_now()
+        rank = self.ranks[self._next_rank % len(self.ranks)]
+        self._next_rank += 1
+        rank.waiting.append(req)
+
+    def on_admitted(self, req: Request) -> None:
+        self.peak_running = max(self.peak_running, self.running)
+        if req.internal:
+            return
+        self.admitted_total += 1
+        self.faults.on_admitted(self.admitted_total, self)
+
+    def finish_abort(self, req: Request, message: str, *, status: int = 200) -> None:
+        if req.state in ("finished", "aborted"):
+            return
+        req.state, req.abort_message, req.finish_model = "aborted", message, self.model_now()
+        req.abort_status = status
+        if not req.internal:
+            self.metrics.aborted += 1
+        req.changed.set()
+        req.done.set()
+
+    def abort(self, rid: str | None, *, abort_all: bool = False) -> int:
+        """Abort requests whose rid starts with `rid` (or all); returns how many."""
+        n = 0
+        for rank in self.ranks:
+            for req in [*rank.running, *rank.waiting]:
+                if req.internal or req.state in ("finished", "aborted"):
+                    continue
+                if abort_all or (rid and req.rid.startswith(rid)):
+                    self.finish_abort(req, "Abort request." if not abort_all else "Abort all requests.")
+                    n += 1
+            rank.running = [r for r in rank.running if r.state == "running"]
+        return n
+
+    def flush_cache(self) -> bool:
+        if self.running or self.queued:
+            return False
+        for rank in self.ranks:
+            rank.cache.flush()
+        return True
+
+    def hang(self) -> None:
+        for rank in self.ranks:
+            rank.hung = True
+
+    def tick(self) -> None:
+        now = self.model_now()
+        for rank in self.ranks:
+            rank.advance(now)
+        self.peak_running = max(self.peak_running, sum(len(r.running) for r in self.ranks))
+        self.peak_queued = max(self.peak_queued, self.queued)
+        for cb in self.on_tick:
+            cb()
+
+    async def run(self) -> None:
+        while True:
+            self.tick()
+            await asyncio.sleep(TICK_S)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

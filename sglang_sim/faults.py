@@ -1,0 +1,59 @@
+"""Fault injection from env, for reliability tests of the worker and supervisor.
+
+SGLANG_SIM_CRASH_AFTER=N    hard os._exit once N requests were admitted (connections reset)
+SGLANG_SIM_HANG_AFTER=N     the scheduler stops after N admitted requests; HTTP stays up
+SGLANG_SIM_FAIL_STARTUP=oom die at start-up with the CUDA out-of-memory line
+SGLANG_SIM_ERROR_RATE=p     a seeded fraction p of generation requests get HTTP 500
+SGLANG_SIM_FAULT_GPUS=1,3   only these GPU indices misbehave (default: all)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from .logs import log
+
+__all__ = ["Faults"]
+
+
+@dataclass
+class Faults:
+    crash_after: int | None = None
+    hang_after: int | None = None
+    fail_startup: str | None = None
+    error_rate: float = 0.0
+    _rng: random.Random = field(default_factory=lambda: random.Random(12345))
+
+    @classmethod
+    def from_env(cls, gpu_index: int) -> Faults:
+        env = os.environ
+        only = env.get("SGLANG_SIM_FAULT_GPUS", "").strip()
+        if only and gpu_index not in {int(x) for x in only.split(",") if x.strip()}:
+            return cls()
+
+        def num(key: str) -> int | None:
+            return int(env[key]) if env.get(key, "").strip() else None
+
+        return cls(
+            crash_after=num("SGLANG_SIM_CRASH_AFTER"),
+            hang_after=num("SGLANG_SIM_HANG_AFTER"),
+            fail_startup=env.get("SGLANG_SIM_FAIL_STARTUP") or None,
+            error_rate=float(env.get("SGLANG_SIM_ERROR_RATE") or 0.0),
+            _rng=random.Random(int(env.get("SGLANG_SIM_ERROR_SEED") or 12345)),
+        )
+
+    def on_admitted(self, admitted_total: int, engine: Any) -> None:
+        if self.crash_after is not None and admitted_total >= self.crash_after:
+            log("Scheduler hit an exception: RuntimeError: CUDA error: an illegal memory access was encountered")
+            sys.stderr.flush()
+            os._exit(1)  # no cleanup: sockets reset, GPU file left behind with a dead pid
+        if self.hang_after is not None and admitted_total >= self.hang_after:
+            engine.hang()
+
+    def draw_error(self) -> bool:
+        """True when this generation request should fail with HTTP 500 (seeded, arrival order)."""
+        return self.error_rate > 0 and self._rng.random() < self.error_rate

@@ -1,0 +1,109 @@
+"""Prometheus text for `/metrics` (only with --enable-metrics), with SGLang's names and labels.
+
+Latencies are observed in model seconds so that a supervisor reads the same figures it would
+read on real GPUs whatever SGLANG_SIM_TIME_SCALE is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import Engine, Request
+
+__all__ = ["Histogram", "Metrics"]
+
+_LAT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1200, 2400)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...] = _LAT_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+
+
+class Metrics:
+    """Counters and histograms fed by the engine; gauges are read from it when scraped."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generation_tokens = 0
+        self.requests = 0
+        self.aborted = 0
+        self.ttft = Histogram()
+        self.e2e = Histogram()
+        self.queue = Histogram()
+
+    def on_prefill(self, batch: list[Request], now: float) -> None:
+        for r in batch:
+            if r.internal:
+                continue
+            self.prompt_tokens += r.prompt_tokens
+            self.cached_tokens += r.cached_tokens
+            self.ttft.observe(now - r.arrival_model)
+            self.queue.observe((r.admitted_model or now) - r.arrival_model)
+
+    def on_finish(self, r: Request) -> None:
+        if r.internal:
+            return
+        self.requests += 1
+        self.e2e.observe((r.finish_model or 0.0) - r.arrival_model)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def render(self, engine: Engine, model_name: str) -> str:
+        labels = f'engine_type="unified",model_name="{model_name}",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+        out: list[str] = []
+
+        def metric(name: str, kind: str, doc: str, value: Any, lab: str = labels) -> None:
+            out.append(f"# HELP sglang:{name} {doc}")
+            out.append(f"# TYPE sglang:{name} {kind}")
+            out.append(f"sglang:{name}{{{lab}}} {float(value)}")
+
+        ranks = engine.ranks
+        full = max(r.full_usage() for r in ranks)
+        mamba = max(r.mamba_usage() for r in ranks)
+        plan = engine.cfg.plan
+        metric("num_running_reqs", "gauge", "The number of running requests.", engine.running)
+        metric("num_queue_reqs", "gauge", "The number of requests in the waiting queue.", engine.queued)
+        metric("gen_throughput", "gauge", "The generation throughput (token/s).", engine.gen_throughput)
+        metric("token_usage", "gauge", "The token usage (max of full and mamba on hybrids).", max(full, mamba))
+        metric("full_token_usage", "gauge", "The full-attention KV token usage.", full)
+        metric("mamba_usage", "gauge", "The mamba state slot usage.", mamba)
+        metric("num_used_tokens", "gauge", "The number of used tokens.", sum(r.used_tokens() for r in ranks))
+        metric("cache_hit_rate", "gauge", "The prefix cache hit rate.", self.cache_hit_rate)
+        metric("num_retracted_reqs", "gauge", "The number of retracted requests.", 0)
+        metric("max_total_num_tokens", "gauge", "Maximum total number of tokens in the KV pool.",
+               plan.max_total_num_tokens)
+        metric("context_len", "gauge", "The context length.", plan.context_len)
+        metric("prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens)
+        metric("generation_tokens_total", "counter", "Number of generation tokens processed.",
+               self.generation_tokens)
+        metric("num_requests_total", "counter", "Number of requests processed.", self.requests)
+        metric("num_aborted_requests_total", "counter", "Number of requests aborted.", self.aborted)
+        metric("num_retracted_requests_total", "counter", "Number of retracted requests.", 0)
+        for name, doc, h in (
+            ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
+            ("e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", self.e2e),
+            ("queue_time_seconds", "Histogram of queueing time in seconds.", self.queue),
+        ):
+            out.append(f"# HELP sglang:{name} {doc}")
+            out.append(f"# TYPE sglang:{name} histogram")
+            for b, c in zip(h.buckets, h.counts, strict=True):
+                out.append(f'sglang:{name}_bucket{{{labels},le="{float(b)}"}} {float(c)}')
+            out.append(f'sglang:{name}_bucket{{{labels},le="+Inf"}} {float(h.count)}')
+            out.append(f"sglang:{name}_sum{{{labels}}} {h.sum}")
+            out.append(f"sglang:{name}_count{{{labels}}} {float(h.count)}")
+        return "\n".join(out) + "\n"

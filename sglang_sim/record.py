@@ -1,0 +1,79 @@
+"""The observation record: what the simulator saw, for tests (env SGLANG_SIM_RECORD, GET /sim/observed).
+
+Written atomically at most every RECORD_EVERY_S and at clean exit, so a test can assert on the
+peak concurrency it produced or the flags a launcher passed, even after the server is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["Recorder"]
+
+RECORD_EVERY_S = 0.5
+MAX_SAMPLES = 2000
+
+
+class Recorder:
+    def __init__(self, *, version: str, argv: list[str], flags: dict[str, Any], strategy: str,
+                 effective: int, profile: str, gpu_index: int) -> None:
+        self.path = Path(os.environ["SGLANG_SIM_RECORD"]) if os.environ.get("SGLANG_SIM_RECORD") else None
+        self.static = {
+            "pid": os.getpid(), "version": version, "argv": argv, "flags": flags, "strategy": strategy,
+            "effective_max_running_requests": effective, "profile": profile, "gpu_index": gpu_index,
+        }
+        self.requests_by_endpoint: Counter[str] = Counter()
+        self.samples: list[list[float]] = []
+        self.engine: Engine | None = None
+        self.started_wall = time.time()
+        self.ready = False
+        self._last_write = 0.0
+        self._last_sample: tuple[int, int] | None = None
+
+    def count_request(self, endpoint: str) -> None:
+        self.requests_by_endpoint[endpoint] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            **self.static,
+            "ready": self.ready,
+            "peak_running": e.peak_running if e else 0,
+            "peak_queued": e.peak_queued if e else 0,
+            "running": e.running if e else 0,
+            "queued": e.queued if e else 0,
+            "admitted_total": e.admitted_total if e else 0,
+            "requests_total": sum(self.requests_by_endpoint.values()),
+            "requests_by_endpoint": dict(self.requests_by_endpoint),
+            "generation_tokens_total": e.metrics.generation_tokens if e else 0,
+            "aborted_total": e.metrics.aborted if e else 0,
+            # [seconds since start, running, queued] whenever the pair changed (sampled per tick)
+            "max_running_seen_over_time": self.samples,
+        }
+
+    def on_tick(self) -> None:
+        e = self.engine
+        if e is not None:
+            pair = (e.running, e.queued)
+            if pair != self._last_sample:
+                self._last_sample = pair
+                self.samples.append([round(time.time() - self.started_wall, 3), *pair])
+                del self.samples[:-MAX_SAMPLES]
+        if self.path and time.monotonic() - self._last_write >= RECORD_EVERY_S:
+            self.write()
+
+    def write(self) -> None:
+        self._last_write = time.monotonic()
+        if not self.path:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.snapshot(), default=str))
+        tmp.replace(self.path)

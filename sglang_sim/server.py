@@ -1,0 +1,328 @@
+"""The HTTP face of the simulator: SGLang's native endpoints (aiohttp), plus `/sim/observed`.
+
+OpenAI-compatible routes live in openai_api.py; both go through `SimServer.submit_and_wait`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .engine import Engine, QueueFullError, Request
+from .memory import MemoryPlan
+from .profiles import Profile
+from .record import Recorder
+from .textgen import ACCEPTED_SAMPLING_KEYS, count_tokens, generate, token_ids
+
+__all__ = ["RequestError", "ServerState", "SimServer", "submit_all", "wait_any"]
+
+EOS_TOKEN_ID = 151645
+
+
+class RequestError(Exception):
+    """A request the server refuses before scheduling it (status + message)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass
+class ServerState:
+    version: str
+    legacy: bool
+    flags: dict[str, Any]
+    profile: Profile
+    plan: MemoryPlan
+    strategy: str
+    overlap: bool
+    time_scale: float
+    model_name: str
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+class SimServer:
+    def __init__(self, state: ServerState, engine: Engine, recorder: Recorder) -> None:
+        self.state, self.engine, self.recorder = state, engine, recorder
+        self.ready = False
+        self.created = int(time.time())
+
+    # ---- request life ------------------------------------------------------------------------
+    def validate_length(self, prompt_tokens: int, max_new: int | None, *, openai: bool) -> None:
+        ctx = self.state.plan.context_len
+        if prompt_tokens >= ctx:
+            raise RequestError(400, f"The input ({prompt_tokens} tokens) is longer than the model's context "
+                                    f"length ({ctx} tokens).")
+        if max_new is not None and prompt_tokens + max_new > ctx and not self.state.flags.get("allow_auto_truncate"):
+            raise RequestError(
+                400,
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                f"You requested a total of {prompt_tokens + max_new} tokens: {prompt_tokens} tokens from the "
+                f"input messages and {max_new} tokens for the completion. Please reduce the number of tokens "
+                "in the input messages or the completion to fit within the limit.",
+            )
+
+    def make_request(self, prompt: str, params: dict[str, Any], *, rid: str, endpoint: str,
+                     index: int = 0, internal: bool = False, openai: bool = False) -> Request:
+        words = prompt.split()
+        max_new = params.get("max_new_tokens")
+        self.validate_length(max(1, len(words)), max_new, openai=openai)
+        if max_new is None:  # "until EOS or the context is full"
+            params = {**params, "max_new_tokens": self.state.plan.context_len - count_tokens(prompt)}
+        out, finish, matched = generate(prompt, params, index=index)
+        return Request(rid=rid, prompt_words=words, output_words=out, finish_reason=finish,
+                       matched_stop=matched, endpoint=endpoint, internal=internal)
+
+    async def submit_and_wait(self, reqs: list[Request]) -> None:
+        """Queue the requests and wait; a client that goes away aborts them (handler cancellation)."""
+        submit_all(self.engine, reqs)
+        try:
+            for r in reqs:
+                await r.done.wait()
+        except asyncio.CancelledError:
+            for r in reqs:
+                self.engine.finish_abort(r, "The client disconnected.")
+            raise
+
+    def check_generation_fault(self) -> None:
+        if self.engine.faults.draw_error():
+            raise RequestError(500, "Internal server error (SGLANG_SIM_ERROR_RATE).")
+
+    def finish_reason(self, r: Request) -> dict[str, Any]:
+        if r.state == "aborted":
+            return {"type": "abort", "message": r.abort_message, "status_code": r.abort_status}
+        if r.finish_reason == "stop":
+            return {"type": "stop", "matched": r.matched_stop if r.matched_stop is not None else EOS_TOKEN_ID}
+        return {"type": "length", "length": r.generated}
+
+    def meta_info(self, r: Request) -> dict[str, Any]:
+        end = r.finish_model if r.finish_model is not None else self.engine.model_now()
+        return {
+            "id": r.rid,
+            "finish_reason": self.finish_reason(r) if r.state in ("finished", "aborted") else None,
+            "prompt_tokens": r.prompt_tokens,
+            "weight_version": "default",
+            "completion_tokens": r.generated,
+            "cached_tokens": r.cached_tokens,
+            "e2e_latency": round(end - r.arrival_model, 6),
+            "queue_time": round((r.admitted_model or end) - r.arrival_model, 6),
+            "num_retractions": 0,
+        }
+
+    def native_output(self, r: Request) -> dict[str, Any]:
+        words = r.output_words[: r.generated]
+        return {"text": " ".join(words), "output_ids": token_ids(words), "meta_info": self.meta_info(r)}
+
+    # ---- native endpoints ---------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json(loads=orjson.loads)
+        except ValueError:
+            return _json({"error": {"message": "Invalid JSON body."}}, 400)
+        params = body.get("sampling_params") or {}
+        unknown = sorted(set(params) - ACCEPTED_SAMPLING_KEYS)
+        if unknown:
+            return _json({"error": f"unknown field {unknown[0]!r} in sampling_params"}, 400)
+        text = body.get("text")
+        if text is None:
+            return _json({"error": {"message": "Either text or input_ids should be provided."}}, 400)
+        batch = isinstance(text, list)
+        prompts = text if batch else [text]
+        n = int(params.get("n") or 1)
+        rid = body.get("rid")
+        self.recorder.count_request("/generate")
+        try:
+            self.check_generation_fault()
+            reqs = []
+            for i, prompt in enumerate(prompts):
+                for j in range(n):
+                    if isinstance(rid, list):
+                        base = rid[i]
+                    else:
+                        base = rid if (rid and not batch and n == 1) else f"{rid or uuid.uuid4().hex}_{i}_{j}"
+                    reqs.append(self.make_request(prompt, params, rid=base, endpoint="/generate", index=j))
+            if body.get("stream"):
+                return await self._stream_native(request, reqs)
+            await self.submit_and_wait(reqs)
+        except RequestError as e:
+            return _json({"error": {"message": e.message}}, e.status)
+        for r in reqs:
+            if r.state == "aborted" and r.abort_status >= 500:
+                return _json({"error": {"message": r.abort_message}}, r.abort_status)
+        outs = [self.native_output(r) for r in reqs]
+        return _json(outs if (batch or n > 1) else outs[0])
+
+    async def _stream_native(self, request: web.Request, reqs: list[Request]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        submit_all(self.engine, reqs)
+        await resp.prepare(request)
+        try:
+            pending = list(enumerate(reqs))
+            while pending:
+                await wait_any([r.changed for _, r in pending])
+                still = []
+                for i, r in pending:
+                    if not r.changed.is_set():
+                        still.append((i, r))
+                        continue
+                    r.changed.clear()
+                    chunk = self.native_output(r)
+                    if len(reqs) > 1:
+                        chunk["index"] = i
+                    await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                    if not r.done.is_set():
+                        still.append((i, r))
+                pending = still
+            await resp.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            for r in reqs:
+                self.engine.finish_abort(r, "The client disconnected.")
+            raise
+        return resp
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.ready else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not self.ready:
+            return web.Response(status=503)
+        req = self.make_request("health", {"max_new_tokens": 1, "ignore_eos": True},
+                                rid=f"HEALTH_CHECK_{uuid.uuid4().hex[:8]}", endpoint="health", internal=True)
+        self.engine.submit(req)
+        timeout = max(1.0, 20.0 / self.state.time_scale)
+        try:
+            await asyncio.wait_for(req.done.wait(), timeout)
+        except TimeoutError:
+            self.engine.finish_abort(req, "health check timed out")
+            return web.Response(status=503)
+        return web.Response(status=200 if req.state == "finished" else 503)
+
+    async def ready_route(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.ready else 503)
+
+    def server_info(self) -> dict[str, Any]:
+        st, plan = self.state, self.state.plan
+        info = dict(st.flags)
+        info[("mamba_scheduler_strategy" if st.legacy else "mamba_radix_cache_strategy")] = st.strategy
+        info.update(
+            mem_fraction_static=plan.mem_fraction_static, disable_overlap_schedule=not st.overlap,
+            served_model_name=st.model_name, context_length=st.flags.get("context_length"),
+            status="ready" if self.ready else "starting", max_total_num_tokens=plan.max_total_num_tokens,
+            max_req_input_len=plan.context_len - 5, version=st.version,
+        )
+        states = []
+        for rank in self.engine.ranks:
+            s = plan.as_internal_state(rank.gen_throughput)
+            if st.legacy:
+                s.pop("effective_max_running_requests_per_dp")
+            states.append(s)
+        info["internal_states"] = states
+        return info
+
+    async def server_info_route(self, request: web.Request) -> web.Response:
+        return _json(self.server_info())
+
+    def model_info(self) -> dict[str, Any]:
+        p = self.state.profile
+        return {
+            "model_path": self.state.flags["model_path"], "tokenizer_path": self.state.flags.get("tokenizer_path")
+            or self.state.flags["model_path"], "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": "default", "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": "qwen3_next" if p.hybrid else "llama", "architectures": [p.architecture],
+        }
+
+    async def model_info_route(self, request: web.Request) -> web.Response:
+        return _json(self.model_info())
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.state.model_name
+        return _json({"object": "list", "data": [{
+            "id": name, "object": "model", "created": self.created, "owned_by": "sglang", "root": name,
+            "parent": None, "max_model_len": self.state.plan.context_len}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = self.engine.metrics.render(self.engine, self.state.model_name)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await request.json(loads=orjson.loads) if request.can_read_body else {}
+        n = self.engine.abort(body.get("rid"), abort_all=bool(body.get("abort_all")))
+        return _json({"success": True, "aborted": n})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.engine.flush_cache():
+            return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
+                                     "(When there are running or waiting requests, the operation will not be "
+                                     "performed.)\n")
+        return web.Response(status=400, text="Cache not flushed. Please check backend logs for more details. "
+                                             "(When there are running or waiting requests, the operation will "
+                                             "not be performed.)\n")
+
+    async def observed(self, request: web.Request) -> web.Response:
+        return _json(self.recorder.snapshot())
+
+    # ---- app ----------------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        from .openai_api import OpenAIRoutes
+
+        api_key = self.state.flags.get("api_key")
+
+        @web.middleware
+        async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+            path = request.path
+            open_path = path.startswith("/health") or path == "/metrics" or path.startswith("/sim/")
+            if api_key and not open_path and request.headers.get("Authorization") != f"Bearer {api_key}":
+                return _json({"error": "Unauthorized"}, 401)
+            return await handler(request)
+
+        app = web.Application(middlewares=[auth], client_max_size=1 << 30)
+        oa = OpenAIRoutes(self)
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/ready", self.ready_route)
+        info_paths = ["/get_server_info"] if self.state.legacy else ["/server_info", "/get_server_info"]
+        model_paths = ["/get_model_info"] if self.state.legacy else ["/model_info", "/get_model_info"]
+        for p in info_paths:
+            r.add_get(p, self.server_info_route)
+        for p in model_paths:
+            r.add_get(p, self.model_info_route)
+        r.add_get("/v1/models", self.models)
+        r.add_post("/generate", self.generate)
+        r.add_post("/v1/completions", oa.completions)
+        r.add_post("/v1/chat/completions", oa.chat_completions)
+        if self.state.flags.get("enable_metrics"):
+            r.add_get("/metrics", self.metrics)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/sim/observed", self.observed)
+        return app
+
+
+async def wait_any(events: list[asyncio.Event]) -> None:
+    """Return once any of the events is set (used by the streaming loops)."""
+    tasks = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def submit_all(engine: Engine, reqs: list[Request]) -> None:
+    try:
+        for r in reqs:
+            engine.submit(r)
+    except QueueFullError as e:
+        for r in reqs:
+            engine.finish_abort(r, str(e))
+        raise RequestError(503, str(e)) from None

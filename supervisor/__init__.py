@@ -1,0 +1,1 @@
+"""batchfleet's supervisor: watches the fleet through the workers' status records in Redis."""

@@ -1,0 +1,89 @@
+"""A snapshot of the fleet, read from Redis only: the workers' status records, the queue backlogs
+and the run's counters. The supervisor never talks to a server; workers may be on other hosts."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from batchfleet import keys
+from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, Keys
+from batchfleet.records import Event, WorkerStatus
+
+__all__ = ["FleetSnapshot", "read_fleet"]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    ts: float
+    workers: list[WorkerStatus]
+    backlog: dict[str, int]  # queue -> prompts waiting in Redis
+    stats: dict[str, int]
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(w.tokens_per_s for w in self.workers if w.state == "serving")
+
+    @property
+    def in_flight(self) -> int:
+        return sum(w.in_flight for w in self.workers)
+
+    @property
+    def total_backlog(self) -> int:
+        return sum(self.backlog.values())
+
+    def eta_s(self) -> float | None:
+        """Seconds until the backlog is done at the recent completion rate, None when unknown."""
+        done = self.stats.get("succeeded", 0) + self.stats.get("failed", 0)
+        tokens = self.stats.get("completion_tokens", 0)
+        remaining = self.total_backlog + self.in_flight
+        if remaining == 0:
+            return 0.0
+        if not done or not tokens or self.tokens_per_s <= 0:
+            return None
+        prompts_per_s = self.tokens_per_s / (tokens / done)
+        return remaining / prompts_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ts": self.ts, "tokens_per_s": round(self.tokens_per_s, 1), "in_flight": self.in_flight,
+                "backlog": self.backlog, "total_backlog": self.total_backlog, "eta_s": self.eta_s(),
+                "stats": self.stats, "workers": [asdict(w) for w in self.workers],
+                "events": [asdict(e) for e in self.events]}
+
+
+def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", events: int = 10) -> FleetSnapshot:
+    names = sorted(m.decode() for m in r.smembers(k.workers))
+    queues = sorted(m.decode()[len(RQ_QUEUE_PREFIX):] for m in r.smembers(RQ_QUEUES))
+    queues = [q for q in queues if re.fullmatch(queue_pattern, q)]
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.get(k.status(name))
+    for q in queues:
+        pipe.llen(Keys.queue(q))
+    pipe.hgetall(k.stats)
+    pipe.xrevrange(k.events, count=events)
+    out = pipe.execute()
+    raw_status, lengths, stats, raw_events = out[:len(names)], out[len(names):-2], out[-2], out[-1]
+    workers = []
+    gone = []
+    for name, raw in zip(names, raw_status, strict=True):
+        if raw is None:
+            gone.append(name)  # its record expired: the worker is gone
+            continue
+        workers.append(WorkerStatus.from_json(raw))
+    if gone:
+        r.srem(k.workers, *gone)
+    workers.sort(key=lambda w: (w.gpu if w.gpu is not None else 1_000_000, w.host, w.worker))
+    return FleetSnapshot(
+        ts=time.time(), workers=workers, backlog=dict(zip(queues, lengths, strict=True)),
+        stats={kk.decode(): int(v) for kk, v in stats.items()},
+        events=[Event.from_json(f[b"e"]) for _, f in reversed(raw_events)])
+
+
+def stale(status: WorkerStatus, now: float | None = None) -> bool:
+    return (now or time.time()) - status.ts > keys.STATUS_TTL_S / 2

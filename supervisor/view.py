@@ -25,26 +25,30 @@ def _eta(s: float | None) -> str:
 
 
 def render(snap: FleetSnapshot, *, classes: dict[str, str] | None = None) -> Group:
-    table = Table(title="batchfleet", title_justify="left", expand=False)
-    for col in ("GPU", "worker", "state", "strategy", "in flight / max", "running", "queued", "KV", "mamba",
-                "hit", "tok/s", "done", "failed"):
-        table.add_column(col, justify="right" if col not in {"worker", "state", "strategy"} else "left")
+    table = Table(title="batchfleet", title_justify="left", expand=False, pad_edge=False)
+    # "tok/s" is what the worker measured (wall clock); "gen" is the server's own sglang:gen_throughput.
+    # On real GPUs they agree; under the simulator's time scale "gen" is in simulated time.
+    for col in ("gpu", "host", "state", "strategy", "slots", "run", "wait", "KV", "mamba", "hit", "tok/s", "gen",
+                "done", "fail"):
+        table.add_column(col, justify="left" if col in {"host", "state", "strategy"} else "right", no_wrap=True)
     if classes:
         table.add_column("class")
     for w in snap.workers:
         m = w.metrics
         row = [
-            str(w.gpu) if w.gpu is not None else "-", f"{w.worker[:10]}@{w.host[:12]}", w.state, w.strategy,
-            f"{w.in_flight} / {w.effective_max}", "-" if m.running is None else f"{m.running:.0f}",
+            str(w.gpu) if w.gpu is not None else "-", w.host[:12], w.state, w.strategy,
+            f"{w.in_flight}/{w.effective_max}", "-" if m.running is None else f"{m.running:.0f}",
             "-" if m.queued is None else f"{m.queued:.0f}", _pct(m.full_kv_usage), _pct(m.mamba_usage),
-            _pct(m.cache_hit_rate), f"{w.tokens_per_s:,.0f}", str(w.done), str(w.failed),
+            _pct(m.cache_hit_rate), f"{w.tokens_per_s:,.0f}",
+            "-" if m.gen_throughput is None else f"{m.gen_throughput:,.0f}", str(w.done), str(w.failed),
         ]
         if classes:
             row.append(classes.get(w.worker, ""))
         table.add_row(*row)
     s = snap.stats
+    gen = sum(w.metrics.gen_throughput or 0 for w in snap.workers)
     footer = Text(
-        f"fleet {snap.tokens_per_s:,.0f} tok/s | in flight {snap.in_flight} | backlog {snap.total_backlog} "
+        f"fleet {snap.tokens_per_s:,.0f} tok/s (servers: {gen:,.0f} gen) | in flight {snap.in_flight} | backlog {snap.total_backlog} "
         f"({', '.join(f'{q}:{n}' for q, n in snap.backlog.items()) or 'no queues'}) | done {s.get('succeeded', 0)} "
         f"| failed {s.get('failed', 0)} | ETA {_eta(snap.eta_s())}")
     parts: list = [table, footer]

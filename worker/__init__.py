@@ -38,6 +38,7 @@ class GPUWorker(BaseWorker):
     def work(self, burst: bool = False, logging_level: str | None = "INFO", date_format: str = "%H:%M:%S",
              log_format: str = "%(asctime)s %(name)s %(levelname)s %(message)s", **_: Any) -> bool:
         logging.basicConfig(level=logging_level or "INFO", format=log_format, datefmt=date_format)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the log
         try:
             config = Config.from_env()
             queue = self.queue_names()[0]

@@ -1,0 +1,31 @@
+# batchfleet: `make demo` runs the main job on simulated GPUs; `make test` runs the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install demo test lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/python scripts/demo.py
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python bench/bench_enqueue.py
+	$(BIN)/python bench/bench_dispatch.py
+
+clean:
+	rm -rf var/ .batchfleet/ .pytest_cache/ .ruff_cache/

@@ -281,10 +281,13 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         """Queue a request on the next dp rank (round robin); QueueFullError past --max-queued-requests."""
-        if self.cfg.max_queued is not None and not req.internal and self.queued >= self.cfg.max_queued:
-            raise QueueFullError("The request queue is full.")
-        req.arrival_model = self.model_now()
         rank = self.ranks[self._next_rank % len(self.ranks)]
+        if self.cfg.max_queued is not None and not req.internal:
+            # Requests the next scheduling step will admit are not "queued" (they arrived within a tick).
+            waiting = sum(1 for q in rank.waiting if q.state == "waiting")
+            if waiting - max(0, rank.cap - len(rank.running)) >= self.cfg.max_queued:
+                raise QueueFullError("The request queue is full.")
+        req.arrival_model = self.model_now()
         self._next_rank += 1
         rank.waiting.append(req)
 

@@ -48,7 +48,8 @@ def render(snap: FleetSnapshot, *, classes: dict[str, str] | None = None) -> Gro
     s = snap.stats
     gen = sum(w.metrics.gen_throughput or 0 for w in snap.workers)
     footer = Text(
-        f"fleet {snap.tokens_per_s:,.0f} tok/s (servers: {gen:,.0f} gen) | in flight {snap.in_flight} | backlog {snap.total_backlog} "
+        f"fleet {snap.tokens_per_s:,.0f} tok/s (servers: {gen:,.0f} gen) | in flight {snap.in_flight} "
+        f"| backlog {snap.total_backlog} "
         f"({', '.join(f'{q}:{n}' for q, n in snap.backlog.items()) or 'no queues'}) | done {s.get('succeeded', 0)} "
         f"| failed {s.get('failed', 0)} | ETA {_eta(snap.eta_s())}")
     parts: list = [table, footer]

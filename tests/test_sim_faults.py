@@ -1,0 +1,100 @@
+"""Simulator faults (crash, hang, start-up OOM, error rate, per-GPU) and simulated GPU memory accounting."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.simproc import SimProc, run_sim_cli, start_sim
+
+FAST = {"SGLANG_SIM_STARTUP_S": "0.05", "SGLANG_SIM_TIME_SCALE": "50"}
+LONG = {"max_new_tokens": 3000, "ignore_eos": True}
+
+
+async def _send(url: str, n: int, params: dict, timeout: float = 30) -> list[object]:
+    async with httpx.AsyncClient(timeout=timeout) as c:
+        return await asyncio.gather(*[c.post(url + "/generate", json={"text": f"r {i}", "sampling_params": params})
+                                      for i in range(n)], return_exceptions=True)
+
+
+def test_crash_after_n_admitted() -> None:
+    sim = start_sim(env={**FAST, "SGLANG_SIM_CRASH_AFTER": "3", "SGLANG_SIM_TIME_SCALE": "1"})
+    try:
+        results = asyncio.run(_send(sim.url, 5, LONG))
+        assert all(isinstance(r, httpx.HTTPError) for r in results), results
+        assert sim.proc.wait(timeout=5) != 0
+        assert "CUDA error" in sim.logs()
+    finally:
+        sim.stop()
+
+
+def test_hang_keeps_port_but_fails_health_generate() -> None:
+    with start_sim(env={**FAST, "SGLANG_SIM_HANG_AFTER": "2"}) as sim:
+        results = asyncio.run(_send(sim.url, 2, {"max_new_tokens": 50}, timeout=1.5))
+        assert all(isinstance(r, httpx.ReadTimeout) for r in results), results
+        assert httpx.get(sim.url + "/health").status_code == 200
+        t0 = time.monotonic()
+        assert httpx.get(sim.url + "/health_generate", timeout=10).status_code == 503
+        assert time.monotonic() - t0 < 3  # 20 s / time scale, at least 1 s
+
+
+def test_fail_startup_oom() -> None:
+    p = run_sim_cli("--model-path", "m", env={**FAST, "SGLANG_SIM_FAIL_STARTUP": "oom"})
+    assert p.returncode != 0
+    assert "torch.OutOfMemoryError: CUDA out of memory." in p.stderr
+
+
+def _statuses(sim: SimProc, n: int) -> list[int]:
+    return [httpx.post(sim.url + "/generate", json={"text": f"e {i}", "sampling_params": {"max_new_tokens": 2}})
+            .status_code for i in range(n)]
+
+
+def test_error_rate_is_seeded() -> None:
+    env = {**FAST, "SGLANG_SIM_ERROR_RATE": "0.3"}
+    with start_sim(env=env) as a:
+        first = _statuses(a, 30)
+    with start_sim(env=env) as b:
+        second = _statuses(b, 30)
+    assert first == second
+    assert set(first) == {200, 500}
+    assert 3 <= first.count(500) <= 18
+
+
+def test_fault_gpus_limits_faults() -> None:
+    env = {**FAST, "SGLANG_SIM_ERROR_RATE": "1.0", "SGLANG_SIM_FAULT_GPUS": "1,3", "CUDA_VISIBLE_DEVICES": "2"}
+    with start_sim(env=env) as sim:
+        assert set(_statuses(sim, 5)) == {200}
+    with start_sim(env={**env, "CUDA_VISIBLE_DEVICES": "3"}) as sim:
+        assert set(_statuses(sim, 5)) == {500}
+
+
+def _smi(env: dict[str, str]) -> dict[int, tuple[int, int]]:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used,memory.total",
+                          "--format=csv,noheader,nounits"], env=env, capture_output=True, text=True, check=True)
+    rows = [tuple(int(x) for x in line.split(", ")) for line in out.stdout.splitlines()]
+    return {i: (used, total) for i, used, total in rows}
+
+
+def test_gpu_memory_freed_after_exit_and_sigkill() -> None:
+    sim = start_sim(env={**FAST, "CUDA_VISIBLE_DEVICES": "3"})
+    rows = _smi(sim.env)
+    assert len(rows) == 8
+    assert rows[3][0] > 1000 and rows[0][0] == 0
+    sim.stop()
+    assert _smi(sim.env)[3][0] == 0
+    again = SimProc(env={**FAST, "CUDA_VISIBLE_DEVICES": "3", "SGLANG_SIM_GPU_DIR": sim.env["SGLANG_SIM_GPU_DIR"]})
+    again.start()
+    try:
+        assert _smi(again.env)[3][0] > 1000
+        again.kill()  # SIGKILL: the file stays behind with a dead (zombie, not yet reaped) pid
+        time.sleep(0.2)
+        assert _smi(again.env)[3][0] == 0
+    finally:
+        again.stop()
+    py = subprocess.run([sys.executable, "-m", "sglang_sim.gpus", "--query-gpu=index,memory.used,memory.total",
+                         "--format=csv,noheader,nounits"], env=again.env, capture_output=True, text=True, check=True)
+    assert py.stdout.splitlines()[3] == "3, 0, 8192"

@@ -46,11 +46,16 @@ def simple(n: int, prefix: str = "p") -> list[object]:
     return [{"id": f"{prefix}{i}", "prompt": f"text {i}"} for i in range(n)]
 
 
-def finish(r: redis.Redis, jid: str, *, ok: bool = True, completion_tokens: int = 10,
-           take: bool = True) -> Result:
-    """Play a worker finishing job `jid` for good (success, or a final failure like HTTP 400)."""
+def job_prompt(r: redis.Redis, jid: str) -> tuple[Prompt, str]:
     job = Job.fetch(jid, connection=r, serializer=OrjsonSerializer)
-    p, q, keys = Prompt.from_dict(job.args[0]), job.origin, Keys(RUN)
+    return Prompt.from_dict(job.args[0]), job.origin
+
+
+def finish(r: redis.Redis, jid: str, *, ok: bool = True, completion_tokens: int = 10,
+           take: bool = True, prompt: tuple[Prompt, str] | None = None) -> Result:
+    """Play a worker finishing job `jid` for good (success, or a final failure like HTTP 400).
+    `prompt` (from `job_prompt`) stands in for a job hash that a success already deleted."""
+    (p, q), keys = prompt or job_prompt(r, jid), Keys(RUN)
     if ok:
         body = {"id": "cmpl-" + p.cid, "choices": [{"text": "ok"}],
                 "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens}}

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -48,6 +51,7 @@ class SGLangServer:
         self.port = port
         self.url = f"http://{config.server_host}:{port}"
         self.log_path = config.log_dir / f"sglang-gpu{gpu}.log"
+        self.pid_path = config.log_dir / f"sglang-gpu{gpu}.pid"
         self.proc: subprocess.Popen[bytes] | None = None
         self.argv: list[str] = []
         self.flags: list[str] = []  # argv without the command itself, for status records
@@ -67,6 +71,7 @@ class SGLangServer:
                                max_running_requests=spec.max_running_requests)
         self.flags = self.argv[len(shlex.split(self.config.sglang_cmd)):]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        await self._clear_leftover()
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(self.gpu))
         with self.log_path.open("ab") as logf:
             logf.write(f"\n===== batchfleet: starting {shlex.join(self.argv)} =====\n".encode())
@@ -74,7 +79,8 @@ class SGLangServer:
             self._log_offset = logf.tell()
             # Own session: a stop signals the whole group (SGLang forks scheduler/detokenizer processes).
             self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        self.pid_path.write_text(str(self.proc.pid))
         log.info("gpu%d: started server pid %d: %s", self.gpu, self.proc.pid, shlex.join(self.argv))
         await self._wait_ready()
         self.capacity = await self._discover_capacity()
@@ -136,6 +142,26 @@ class SGLangServer:
         _signal_group(proc, signal.SIGKILL)  # leftovers of the group, if any
         log.info("gpu%d: server stopped (exit %s)", self.gpu, proc.returncode)
 
+    async def _clear_leftover(self) -> None:
+        """A server left by an earlier worker on this GPU (one killed with -9 where the death signal
+        could not be armed) holds the GPU and the port: stop it. A port held by anything else is an
+        error to report, not to wait out."""
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(self.pid_path.read_text())
+            if _alive(pid):
+                log.warning("gpu%d: stopping server pid %d left by an earlier worker", self.gpu, pid)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                for _ in range(100):
+                    if not _alive(pid):
+                        break
+                    await asyncio.sleep(0.1)
+        with socket.socket() as sock:
+            sock.settimeout(1.0)
+            if sock.connect_ex((self.config.server_host, self.port)) == 0:
+                raise ServerStartError(f"gpu{self.gpu}: port {self.port} is already in use by another process "
+                                       "(set BATCHFLEET_PORT_BASE to a free range)")
+
     def kill(self) -> None:
         """Hard stop, for a hung server."""
         if self.proc is not None:
@@ -188,6 +214,27 @@ class SGLangServer:
     def _client(self, *, timeout_s: float) -> httpx.AsyncClient:
         return sglang.make_client(self.url, api_key=self.config.server_api_key, timeout_s=timeout_s,
                                   max_connections=4)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purpose.
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+    return True
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, die when the worker dies, even by kill -9, instead of
+    holding the GPU and the port (SGLang's own subprocesses follow their parent the same way)."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -1,0 +1,167 @@
+"""Test helper: real `rq worker gpuN` processes (our worker class) each owning a simulated SGLang
+server, exactly as a host's Procfile runs them; plus the producer CLI as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from batchfleet.keys import Keys
+from batchfleet.records import WorkerStatus
+
+from .conftest import free_port
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port_block(n: int) -> int:
+    import socket
+
+    for _ in range(100):
+        base = free_port()
+        ok = True
+        for i in range(n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", base + i))
+                except OSError:
+                    ok = False
+        if ok:
+            return base
+    raise RuntimeError("no free port block")
+
+
+class Fleet:
+    def __init__(self, tmp: Path, redis_url: str, *, run: str = "t", gpus: int = 2,
+                 env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.run = run
+        self.k = Keys(run)
+        self.r = redis.Redis.from_url(redis_url)
+        self.port_base = free_port_block(gpus)
+        self.env = {
+            **os.environ,
+            "PATH": f"{BIN}:{ROOT / 'sglang_sim' / 'bin'}:{os.environ.get('PATH', '')}",
+            "REDIS_URL": redis_url,
+            "RQ_WORKER_CLASS": "worker.GPUWorker",
+            "BATCHFLEET_RUN": run,
+            "BATCHFLEET_STATE_DIR": str(tmp / "state"),
+            "BATCHFLEET_SGLANG_CMD": f"{sys.executable} -m sglang_sim",
+            "BATCHFLEET_MODEL_PATH": "sim/tiny-hybrid",
+            "BATCHFLEET_PORT_BASE": str(self.port_base),
+            "BATCHFLEET_STARTUP_TIMEOUT_S": "60",
+            "BATCHFLEET_STATUS_INTERVAL_S": "0.5",
+            "SGLANG_SIM_GPU_DIR": str(tmp / "gpus"),
+            "SGLANG_SIM_TIME_SCALE": "20",
+            "SGLANG_SIM_STARTUP_S": "0.2",
+            **(env or {}),
+        }
+        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+
+    # --- processes ---------------------------------------------------------------------------------
+    def record_path(self, gpu: int) -> Path:
+        return self.tmp / f"sim-gpu{gpu}.json"
+
+    def start_worker(self, gpu: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = (self.tmp / f"worker-gpu{gpu}.log").open("ab")
+        proc = subprocess.Popen(
+            [str(BIN / "rq"), "worker", f"gpu{gpu}", *extra],
+            env={**self.env, "SGLANG_SIM_RECORD": str(self.record_path(gpu)), **(env or {})},
+            stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp)
+        self.workers[gpu] = proc
+        return proc
+
+    def worker_log(self, gpu: int) -> str:
+        return (self.tmp / f"worker-gpu{gpu}.log").read_text(errors="replace")
+
+    def stop_all(self, timeout_s: float = 30) -> dict[int, int | None]:
+        for p in self.workers.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        codes = {}
+        for gpu, p in self.workers.items():
+            try:
+                codes[gpu] = p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[gpu] = None
+        return codes
+
+    def producer(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([str(BIN / "producer"), *args], env=self.env, capture_output=True, text=True,
+                              cwd=self.tmp, timeout=120)
+        if check and done.returncode not in (0,):
+            raise AssertionError(f"producer {args} exited {done.returncode}: {done.stdout}\n{done.stderr}")
+        return done
+
+    # --- observations ------------------------------------------------------------------------------
+    def sim_record(self, gpu: int) -> dict[str, Any]:
+        return json.loads(self.record_path(gpu).read_text())
+
+    def stats(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.r.hgetall(self.k.stats).items()}
+
+    def statuses(self) -> list[WorkerStatus]:
+        out = []
+        for name in self.r.smembers(self.k.workers):
+            raw = self.r.get(self.k.status(name.decode()))
+            if raw:
+                out.append(WorkerStatus.from_json(raw))
+        return out
+
+    def finished(self) -> int:
+        s = self.stats()
+        return s.get("succeeded", 0) + s.get("failed", 0)
+
+    def wait_for(self, cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"--- worker gpu{g}\n{self.worker_log(g)[-3000:]}" for g in self.workers)
+                raise AssertionError(f"timed out waiting for {what}; stats={self.stats()}\n{logs}")
+            for gpu, p in self.workers.items():
+                if p.poll() is not None and p.returncode not in (0, -9):
+                    raise AssertionError(f"worker gpu{gpu} exited {p.returncode}:\n{self.worker_log(gpu)[-3000:]}")
+            time.sleep(0.2)
+
+
+def write_prompts(path: Path, n: int, *, max_tokens: int = 48, start: int = 0) -> list[dict[str, Any]]:
+    """n prompts in the simple form, alternating completion and chat."""
+    rows = []
+    for i in range(start, start + n):
+        if i % 2:
+            rows.append({"id": f"p{i}", "messages": [{"role": "user", "content": f"Tell me about item {i}"}],
+                         "max_tokens": max_tokens})
+        else:
+            rows.append({"id": f"p{i}", "prompt": f"Describe the number {i} in detail", "max_tokens": max_tokens,
+                         "temperature": 0.5})
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return rows
+
+
+def expected_text(row: dict[str, Any]) -> str:
+    """What the simulator must have answered for a simple-form row (its documented rule)."""
+    from sglang_sim.textgen import expected_completion, render_chat
+
+    params: dict[str, Any] = {"max_new_tokens": row["max_tokens"]}
+    if "temperature" in row:
+        params["temperature"] = row["temperature"]
+    prompt = render_chat(row["messages"]) if "messages" in row else row["prompt"]
+    return expected_completion(prompt, params)[0]
+
+
+def text_of(body: dict[str, Any]) -> str:
+    choice = body["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]

@@ -31,6 +31,7 @@ from .profiles import Profile
 __all__ = ["Engine", "EngineConfig", "QueueFullError", "Request"]
 
 TICK_S = 0.015
+NEW_TOKEN_RATIO = 0.3
 
 
 class QueueFullError(Exception):
@@ -55,6 +56,7 @@ class Request:
     state: str = "waiting"  # waiting | running | finished | aborted
     abort_message: str | None = None
     abort_status: int = 200
+    retractions: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -68,8 +70,9 @@ class Request:
 
     @property
     def reserve_tokens(self) -> int:
-        # The simulator knows the final length, so it reserves exactly that: no retraction is modelled.
-        return self.prompt_tokens + len(self.output_words)
+        # Like SGLang, admission budgets only a share of the tokens still to come (new_token_ratio);
+        # if the pool fills anyway, decode retracts requests (see Rank._retract).
+        return self.prompt_tokens + self.generated + int(min(self.remaining, 4096) * NEW_TOKEN_RATIO)
 
 
 @dataclass(frozen=True)
@@ -146,20 +149,21 @@ class Rank:
             if req.state != "waiting":
                 self.waiting.popleft()
                 continue
-            if reserved + req.reserve_tokens > self.tokens:
+            if reserved + req.reserve_tokens > self.tokens or (
+                    req.retractions and reserved + req.prompt_tokens + len(req.output_words) > self.tokens):
                 if not self.running and not batch:  # cannot fit even alone
                     self.waiting.popleft()
                     self.engine.finish_abort(req, "Input is too long to fit in the KV cache.", status=500)
                     continue
                 break
             cached = self.cache.match(req.prompt_words)
-            if batch and new_tokens + req.prompt_tokens - cached > budget:
+            if batch and new_tokens + req.prompt_tokens + req.generated - cached > budget:
                 break
             self.waiting.popleft()
             req.cached_tokens = cached
             batch.append(req)
             reserved += req.reserve_tokens
-            new_tokens += req.prompt_tokens - cached
+            new_tokens += req.prompt_tokens + req.generated - cached
         return batch
 
     def advance(self, now: float) -> None:
@@ -170,17 +174,18 @@ class Rank:
         while True:
             batch = self._admit()
             if batch:
-                new_tokens = sum(r.prompt_tokens - r.cached_tokens for r in batch)
+                new_tokens = sum(r.prompt_tokens + r.generated - r.cached_tokens for r in batch)
                 self.t = max(self.t, min(r.arrival_model for r in batch))
                 self.t += profile.prefill_s(new_tokens)
                 for r in batch:
                     r.state, r.admitted_model = "running", self.t
                     self.running.append(r)
                     engine.on_admitted(r)
-                    r.generated = min(1, len(r.output_words))  # prefill samples the first token
-                    r.first_token_model = self.t
+                    if r.first_token_model is None:  # a re-admitted (retracted) request keeps its output
+                        r.generated = min(1, len(r.output_words))  # prefill samples the first token
+                        r.first_token_model = self.t
+                        self.gen_tokens += r.generated
                     r.changed.set()
-                self.gen_tokens += sum(r.generated for r in batch)
                 engine.metrics.on_prefill(batch, self.t)
                 if profile.hybrid:
                     usage = f"full token usage: {self.full_usage():.2f}, mamba usage: {self.mamba_usage():.2f}"
@@ -205,13 +210,15 @@ class Rank:
                 self.last_log_t, self.last_log_tokens = self.t, self.gen_tokens
                 return
             self.idle_since = None
+            self._retract()
             step = profile.decode_step_s(len(self.running))
             fit = int((now - self.t) / step)
             if fit <= 0:
                 return
             interval = self.engine.cfg.decode_log_interval
             to_log = interval - self.decode_steps % interval
-            k = min(fit, min(r.remaining for r in self.running), to_log)
+            room = max(1, (self.tokens - self.used_tokens()) // len(self.running))
+            k = min(fit, min(r.remaining for r in self.running), to_log, room)
             k = max(k, 1)
             self.t += k * step
             self.decode_steps += k
@@ -223,6 +230,20 @@ class Rank:
             if self.decode_steps % interval == 0:
                 self._decode_log()
             self._retire(engine)
+
+    def _retract(self) -> None:
+        """Free KV when the next step would overflow it: newest requests go back to the queue head."""
+        retracted: list[Request] = []
+        while len(self.running) > 1 and self.used_tokens() + len(self.running) > self.tokens:
+            victim = min(self.running, key=lambda r: (r.generated, -r.prompt_tokens))
+            self.running.remove(victim)
+            victim.state, victim.retractions = "waiting", victim.retractions + 1
+            retracted.append(victim)
+        if retracted:
+            self.waiting.extendleft(reversed(retracted))
+            self.engine.metrics.retracted += len(retracted)
+            self._log(f"KV cache pool is full. Retract requests. #retracted_reqs: {len(retracted)}, "
+                      f"#new_token_ratio: {NEW_TOKEN_RATIO:.4f} -> {NEW_TOKEN_RATIO:.4f}")
 
     def _decode_log(self) -> None:
         span = self.t - self.last_log_t

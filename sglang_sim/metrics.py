@@ -40,13 +40,14 @@ class Metrics:
         self.generation_tokens = 0
         self.requests = 0
         self.aborted = 0
+        self.retracted = 0
         self.ttft = Histogram()
         self.e2e = Histogram()
         self.queue = Histogram()
 
     def on_prefill(self, batch: list[Request], now: float) -> None:
         for r in batch:
-            if r.internal:
+            if r.internal or r.retractions:  # a re-admitted request was observed the first time
                 continue
             self.prompt_tokens += r.prompt_tokens
             self.cached_tokens += r.cached_tokens
@@ -93,7 +94,7 @@ class Metrics:
                self.generation_tokens)
         metric("num_requests_total", "counter", "Number of requests processed.", self.requests)
         metric("num_aborted_requests_total", "counter", "Number of requests aborted.", self.aborted)
-        metric("num_retracted_requests_total", "counter", "Number of retracted requests.", 0)
+        metric("num_retracted_requests_total", "counter", "Number of retracted requests.", self.retracted)
         for name, doc, h in (
             ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
             ("e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", self.e2e),

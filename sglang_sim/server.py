@@ -115,7 +115,7 @@ class SimServer:
             "cached_tokens": r.cached_tokens,
             "e2e_latency": round(end - r.arrival_model, 6),
             "queue_time": round((r.admitted_model or end) - r.arrival_model, 6),
-            "num_retractions": 0,
+            "num_retractions": r.retractions,
         }
 
     def native_output(self, r: Request) -> dict[str, Any]:

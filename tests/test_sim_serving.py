@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -205,3 +206,18 @@ def test_prefix_cache_hits_shared_prefixes(sim: SimProc) -> None:
         r = httpx.post(sim.url + "/generate", json={"text": shared + f"question {i}",
                                                     "sampling_params": {"max_new_tokens": 2}}).json()
     assert r["meta_info"]["cached_tokens"] >= 192
+
+
+def test_plain_profile_retracts_and_completes() -> None:
+    env = {**FAST, "SGLANG_SIM_PROFILE": "tiny-plain", "SGLANG_SIM_TIME_SCALE": "200"}
+    with start_sim("--enable-metrics", env=env) as sim:
+        params = {"max_new_tokens": 1500, "ignore_eos": True}
+        rs = asyncio.run(_flood(sim.url, 20, params, prefix="w " * 1000))
+        assert all(r.status_code == 200 for r in rs)
+        assert all(r.json()["meta_info"]["completion_tokens"] == 1500 for r in rs)
+        first = rs[0].json()
+        assert first["text"] == expected_completion(f"{'w ' * 1000} 0 " + "w " * 20, params)[0]
+        logs = sim.logs()
+        assert "KV cache pool is full. Retract requests. #retracted_reqs:" in logs
+        assert re.search(r"Decode batch, #running-req: \d+, #token: \d+, token usage: \d\.\d\d, cuda graph", logs)
+        assert any(r.json()["meta_info"]["num_retractions"] > 0 for r in rs)

@@ -89,8 +89,8 @@ class Enqueuer:
             have_result = self.store.with_results(cids)
             known = self.store.seqs(cids)
             seq = self.store.max_seq()
-            keys = [k.done, k.stats, RQ_QUEUES, *(Keys.queue(q) for q in self.queues)]
-            args: list[Any] = [nq, ts, self.timeout, 0, FAILURE_TTL_S, *self.queues]
+            job_keys: list[list[str]] = [[] for _ in range(nq)]  # grouped by queue, as the script wants
+            blobs: list[list[bytes]] = [[] for _ in range(nq)]
             rows = []
             for cid, url, body, src in batch:
                 if cid in have_result:
@@ -103,12 +103,18 @@ class Enqueuer:
                 jid = job_id_for(self.run, cid)
                 qi = self.rr % nq
                 self.rr += 1
-                s.per_queue[self.queues[qi]] = s.per_queue.get(self.queues[qi], 0) + 1
                 data = orjson.dumps([GENERATE, None, [Prompt(cid, own, url, body, src).to_dict()], {}])
-                keys.append(Keys.job(jid))
-                args += (jid, qi + 1, data, f"generate({cid})")
+                job_keys[qi].append(Keys.job(jid))
+                blobs[qi].append(b"%s\0generate(%s)" % (data, cid.encode()))
                 rows.append((cid, own, jid, src))
             if rows:
+                keys = [k.done, k.stats, RQ_QUEUES, *(Keys.queue(q) for q in self.queues)]
+                args: list[Any] = [nq, len(Keys.job("")), ts, self.timeout, 0, FAILURE_TTL_S, *self.queues]
+                args += [len(b) for b in blobs]
+                for qi in range(nq):
+                    keys += job_keys[qi]
+                    args += blobs[qi]
+                    s.per_queue[self.queues[qi]] = s.per_queue.get(self.queues[qi], 0) + len(blobs[qi])
                 added, present = self.script(keys=keys, args=args)
                 s.new += added
                 s.present += present

@@ -174,3 +174,29 @@ def test_usage_and_redis_errors_exit_2(cli: Cli, tmp_path: Path, monkeypatch: py
     assert rc == 2
     assert f"127.0.0.1:{port}" in err and "sekrit" not in err and "***" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_odd_custom_ids_survive_the_script(cli: Cli, r: redis.Redis, tmp_path: Path) -> None:
+    odd = ["a\u0000b", "ünï cödé", "x" * 300, 'q"uote\n']
+    f = write_jsonl(tmp_path / "in.jsonl", [{"id": cid, "prompt": "p"} for cid in odd])
+    assert cli("enqueue", str(f), "--no-progress")[0] == 0
+    for cid in odd:
+        job = Job.fetch(job_id_for(RUN, cid), connection=r, serializer=OrjsonSerializer)
+        assert job.args[0]["cid"] == cid and job.description == f"generate({cid})"
+
+
+def test_crash_between_redis_and_store_heals(cli: Cli, r: redis.Redis, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs queued but their rows never committed: the next run finds them present, adds the rows."""
+    f = write_jsonl(tmp_path / "in.jsonl", simple(3))
+
+    def crash(*_: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    with monkeypatch.context() as m:
+        m.setattr(Store, "add_prompts", crash)
+        assert cli("enqueue", str(f), "--no-progress")[0] == 2
+    assert len(queued_ids(r, "gpu0")) == 3 and prompt_rows(tmp_path) == {}
+    rc, out, _ = cli("enqueue", str(f), "--no-progress")
+    assert rc == 0 and "0 new, 3 already queued or running" in out
+    assert len(queued_ids(r, "gpu0")) == 3 and sorted(prompt_rows(tmp_path)) == ["p0", "p1", "p2"]

@@ -189,7 +189,12 @@ class Ledger:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception:  # Redis away: keep the outcomes (leases keep their jobs safe) and retry
+                log.exception("writing %d outcome(s) to Redis failed; retrying", len(self._pending))
+                await asyncio.sleep(1.0)
+                self._wake.set()
 
     async def flush(self) -> None:
         while self._pending:

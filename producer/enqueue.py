@@ -51,11 +51,7 @@ class EnqueueSummary:
     duplicates: int = 0  # same custom_id twice in this file
     rejects_path: Path | None = None
     seconds: float = 0.0
-    per_queue: dict[str, int] = field(default_factory=dict)  # round-robin targets (new or not)
-
-    @property
-    def accepted(self) -> int:
-        return self.new + self.present + self.collected
+    per_queue: dict[str, int] = field(default_factory=dict)  # new jobs per queue
 
 
 class Enqueuer:
@@ -114,10 +110,11 @@ class Enqueuer:
                 for qi in range(nq):
                     keys += job_keys[qi]
                     args += blobs[qi]
-                    s.per_queue[self.queues[qi]] = s.per_queue.get(self.queues[qi], 0) + len(blobs[qi])
-                added, present = self.script(keys=keys, args=args)
+                added, present, *per_queue = self.script(keys=keys, args=args)
                 s.new += added
                 s.present += present
+                for q, n in zip(self.queues, per_queue, strict=True):
+                    s.per_queue[q] = s.per_queue.get(q, 0) + n
                 self.store.add_prompts(rows)
 
 

@@ -13,7 +13,7 @@ cost that matters, so a job costs two arguments instead of five.
     KEYS  = done, stats, rq:queues, <queue key> * nq, <job key> * njobs (grouped by queue)
     ARGV  = nq, len(job key prefix), timestamp, timeout, result_ttl, failure_ttl,
             <queue name> * nq, <number of jobs for that queue> * nq, <data NUL description> * njobs
-    returns {new jobs, jobs already present}
+    returns {new jobs, jobs already present, new jobs per queue...}
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ __all__ = ["ENQUEUE_LUA"]
 ENQUEUE_LUA = """
 local nq, plen = tonumber(ARGV[1]), tonumber(ARGV[2])
 local ts, timeout, rttl, fttl = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local added, present, k = 0, 0, 4 + nq
+local added, present, k, per_queue = 0, 0, 4 + nq, {}
 for q = 1, nq do
   local name, ids = ARGV[6 + q], {}
+  per_queue[q] = 0
   for _ = 1, tonumber(ARGV[6 + nq + q]) do
     local jid = string.sub(KEYS[k], plen + 1)
     if redis.call('EXISTS', KEYS[k]) == 0 and redis.call('SISMEMBER', KEYS[1], jid) == 0 then
@@ -48,8 +49,9 @@ for q = 1, nq do
     redis.call('SADD', KEYS[3], KEYS[3 + q])
     redis.call('HINCRBY', KEYS[2], 'enqueued:' .. name, #ids)
     added = added + #ids
+    per_queue[q] = #ids
   end
 end
 if added > 0 then redis.call('HINCRBY', KEYS[2], 'enqueued', added) end
-return {added, present}
+return {added, present, unpack(per_queue)}
 """

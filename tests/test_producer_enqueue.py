@@ -133,8 +133,9 @@ def test_finished_prompts_are_not_enqueued_again(cli: Cli, r: redis.Redis, tmp_p
 def test_round_robin_and_seq_across_files(cli: Cli, r: redis.Redis, tmp_path: Path) -> None:
     a = write_jsonl(tmp_path / "a.jsonl", simple(10, "a"))
     b = write_jsonl(tmp_path / "b.jsonl", simple(3, "b"))
-    cli("enqueue", str(a), "--queues", "gpu0,gpu1,gpu2", "--no-progress")
+    out = cli("enqueue", str(a), "--queues", "gpu0,gpu1,gpu2", "--no-progress")[1]
     assert [len(queued_ids(r, q)) for q in ("gpu0", "gpu1", "gpu2")] == [4, 3, 3]
+    assert "queues: gpu0 4, gpu1 3, gpu2 3" in out
     cli("enqueue", str(b), "--queues", "gpu0,gpu1,gpu2", "--no-progress")
     rows = prompt_rows(tmp_path)
     assert min(rows[f"b{i}"][0] for i in range(3)) > max(rows[f"a{i}"][0] for i in range(10))

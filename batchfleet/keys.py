@@ -16,8 +16,8 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | bf:<run>:stats | hash | all | counters: enqueued, succeeded, failed, requeued, tokens ... |
 | bf:<run>:workers | set | worker | names of workers that published a status record |
 | bf:<run>:status:<worker> | string | worker | the worker's latest status record (expires) |
-| bf:<run>:events | stream | supervisor/worker | decisions and restarts (capped) |
-| bf:<run>:control | hash | supervisor | desired server configuration and its generation |
+| bf:<run>:events | stream | supervisor/worker | `Event`s (field `e`): decisions and restarts (capped) |
+| bf:<run>:control | hash | supervisor | desired `ServerSpec`: field `fleet`, and `worker:<name>` overrides |
 """
 
 from __future__ import annotations
@@ -97,3 +97,10 @@ class Keys:
     @property
     def control(self) -> str:
         return self.prefix + "control"
+
+    CONTROL_FLEET = "fleet"
+
+    @staticmethod
+    def control_worker(worker: str) -> str:
+        """The field of `control` that overrides the fleet's spec for one worker."""
+        return "worker:" + worker

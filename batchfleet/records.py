@@ -5,6 +5,8 @@
   stream, the collector stores it, `producer export` writes it as an OpenAI batch output line.
 - `WorkerStatus`: what each worker publishes every few seconds; the supervisor reads only these.
 - `Event`: a decision or restart, for `supervisor watch` and the audit trail.
+- `ServerSpec`: the server configuration the supervisor wants, with its generation number
+  (`Keys.control`: field `fleet` for every worker, `worker:<name>` to override one, e.g. a canary).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["ENDPOINTS", "Event", "Prompt", "Result", "ServerMetrics", "WorkerStatus", "job_id_for"]
+__all__ = ["ENDPOINTS", "Event", "Prompt", "Result", "ServerMetrics", "ServerSpec", "WorkerStatus", "job_id_for"]
 
 # The OpenAI batch `url`s batchfleet serves, each the same path on an SGLang server.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -125,6 +127,33 @@ class WorkerStatus:
         d = orjson.loads(raw)
         d["metrics"] = ServerMetrics(**d.get("metrics") or {})
         return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    """What may change between two starts of a GPU's server: the supervisor's knobs. A worker whose
+    server runs another generation than the one asked of it restarts it (drain, stop, check the GPU
+    is free, start, rediscover capacity, resume)."""
+
+    generation: int = 0
+    strategy: str = "default"  # one of config.STRATEGIES
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> ServerSpec:
+        return cls(**orjson.loads(raw))
+
+    def describe(self) -> str:
+        parts = [self.strategy]
+        if self.mem_fraction_static is not None:
+            parts.append(f"mem {self.mem_fraction_static:g}")
+        if self.max_running_requests is not None:
+            parts.append(f"max {self.max_running_requests}")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,32 +14,22 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import httpx
 
 from batchfleet import sglang
 from batchfleet.config import Config
 from batchfleet.errors import ServerDied, ServerStartError
+from batchfleet.records import ServerSpec
 
 from .flags import ServerCLI, build_argv, read_server_cli
 
-__all__ = ["LaunchSpec", "SGLangServer"]
+__all__ = ["SGLangServer"]
 
 log = logging.getLogger("batchfleet.worker.server")
 
 # Lines after which waiting longer cannot help.
 FATAL_LINES = ("CUDA out of memory", "OutOfMemoryError", "Address already in use")
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchSpec:
-    """What may change between two starts of the same GPU's server (the supervisor's knobs)."""
-
-    strategy: str = "default"
-    mem_fraction_static: float | None = None
-    max_running_requests: int | None = None
-    generation: int = 0
 
 
 class SGLangServer:
@@ -55,12 +45,12 @@ class SGLangServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.argv: list[str] = []
         self.flags: list[str] = []  # argv without the command itself, for status records
-        self.spec = LaunchSpec()
+        self.spec = ServerSpec()
         self.capacity = 0
         self._cli: ServerCLI | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
-    async def start(self, spec: LaunchSpec) -> int:
+    async def start(self, spec: ServerSpec) -> int:
         """Start, wait for a real generation, discover the effective capacity, return it."""
         await self.stop()
         if self._cli is None:

@@ -1,8 +1,10 @@
 """One GPU's worker, assembled: its server, the dispatcher that keeps the server full, the ledger,
 the status record, lease upkeep, health checks, restarts and a clean stop.
 
-    start server ──ready──▶ serving ──server died/hung──▶ restarting ──▶ start server ...
-          │ start failed: state "down", reason and log tail published; retried with backoff
+    start server ──ready──▶ serving ──server died/hung──▶ restarting (kill) ──▶ start server ...
+          │                    └──supervisor asks for another ServerSpec──▶ restarting (drain,
+          │                       hand back the rest, stop, GPU free again) ──▶ start server ...
+          └ start failed: state "down", reason and log tail published; retried with backoff
     SIGTERM/SIGINT: stop claiming, finish in-flight up to the grace period, hand back the rest,
     stop the server, exit 0.
 """
@@ -19,15 +21,16 @@ from collections.abc import Callable
 import httpx
 import redis.asyncio as aioredis
 
-from batchfleet import sglang
+from batchfleet import keys, sglang
 from batchfleet.config import Config
 from batchfleet.errors import ConfigError, ServerDied, ServerStartError
 from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, Keys
-from batchfleet.records import Prompt, ServerMetrics, WorkerStatus
+from batchfleet.records import Event, Prompt, ServerMetrics, ServerSpec, WorkerStatus
 
 from .dispatcher import Dispatcher
+from .gpu import wait_gpu_free
 from .ledger import Ledger
-from .server import LaunchSpec, SGLangServer
+from .server import SGLangServer
 from .status import HOST, StatusPublisher, scrape_metrics
 
 __all__ = ["GPUService"]
@@ -56,6 +59,7 @@ class GPUService:
                                      queues=lambda: self._steal_order, server_ok=self._server_ok)
         self.publisher = StatusPublisher(client, self.k, snapshot=self.snapshot)
         self.stop_requested = asyncio.Event()
+        self._restarting: dict | None = None  # set between a spec-driven stop and the next start
 
     # --- entry point ----------------------------------------------------------------------------
     async def run(self, *, burst: bool = False) -> int:
@@ -106,8 +110,9 @@ class GPUService:
         failures = 0
         while True:
             self.state = "starting"
+            spec = await self._desired_spec()
             try:
-                capacity = await self.server.start(self._launch_spec())
+                capacity = await self.server.start(spec)
             except ServerStartError as exc:
                 failures += 1
                 self.state, self.message = "down", str(exc)
@@ -126,8 +131,15 @@ class GPUService:
             self.state, self.message = "serving", ""
             self.dispatcher.accepting.set()
             await self.publisher.publish()
+            if self._restarting is not None:
+                await self._event("restarted", f"gpu{self.gpu} now serves {spec.describe()} (generation "
+                                  f"{spec.generation}) with {capacity} slots", **self._restarting, capacity=capacity,
+                                  generation=spec.generation, strategy=spec.strategy,
+                                  downtime_s=round(time.monotonic() - self._restarting["since"], 2))
+                self._restarting = None
             try:
                 await self._watch_server()
+                await self._restart_for_new_spec()
             except ServerDied as exc:
                 log.error("gpu%d: %s; restarting it", self.gpu, exc)
                 self.state, self.message = "restarting", str(exc).splitlines()[0]
@@ -136,13 +148,17 @@ class GPUService:
                 await self.publisher.publish()
 
     async def _watch_server(self) -> None:
-        """Return only by raising ServerDied: the process exited or generation is stuck."""
+        """Return when the supervisor asks for another server spec; raise ServerDied when the process
+        exited or generation is stuck."""
         misses = 0
         last_health = time.monotonic()
         while True:
             await asyncio.sleep(1.0)
             if not self.server.running:
                 self.server._check_alive()
+            desired = await self._desired_spec()
+            if desired.generation != self.server.spec.generation:
+                return
             if time.monotonic() - last_health < self.config.health_interval_s:
                 continue
             last_health = time.monotonic()
@@ -157,9 +173,35 @@ class GPUService:
                 if misses >= 2:
                     raise
 
-    def _launch_spec(self) -> LaunchSpec:
-        return LaunchSpec(strategy=self.config.strategy, mem_fraction_static=self.config.mem_fraction_static,
+    async def _restart_for_new_spec(self) -> None:
+        """Drain (in-flight prompts finish up to the deadline, the rest go back to their queue), stop
+        the server, and wait until its GPU memory is free, so the next start sees a clean GPU."""
+        old = self.server.spec
+        since = time.monotonic()
+        self.state, self.message = "restarting", "draining for a new server configuration"
+        self.dispatcher.accepting.clear()
+        await self.publisher.publish()
+        handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
+        await self.server.stop()
+        gpu_note = await wait_gpu_free(self.gpu)
+        self._restarting = {"since": since, "handed_back": handed, "previous": old.describe(),
+                            "previous_generation": old.generation, "gpu": gpu_note}
+        log.info("gpu%d: restarting for generation %s: %d prompt(s) handed back; %s", self.gpu,
+                 (await self._desired_spec()).generation, handed, gpu_note)
+
+    async def _desired_spec(self) -> ServerSpec:
+        """What the supervisor asks of this worker's server; the configuration when it asks nothing."""
+        mine, fleet = await self.r.hmget(self.k.control, Keys.control_worker(self.worker), Keys.CONTROL_FLEET)
+        raw = mine or fleet
+        if raw:
+            return ServerSpec.from_json(raw)
+        return ServerSpec(strategy=self.config.strategy, mem_fraction_static=self.config.mem_fraction_static,
                           max_running_requests=self.config.max_running_requests)
+
+    async def _event(self, kind: str, message: str, **data: object) -> None:
+        data.pop("since", None)
+        event = Event(kind=kind, message=message, source=self.worker, data=data)
+        await self.r.xadd(self.k.events, {"e": event.to_json()}, maxlen=keys.EVENTS_MAXLEN, approximate=True)
 
     async def _open_http(self, capacity: int) -> None:
         if self._http is not None:

@@ -52,6 +52,7 @@ class Config:
     startup_timeout_s: float = 1200.0  # a 27B model can take many minutes to load and capture graphs
 
     # How a worker runs prompts.
+    max_in_flight: int | None = None  # cap below the server's capacity (normally unset: fill the server)
     request_timeout_s: float = 3600.0  # one long generation, not the httpx default of 5 s
     max_attempts: int = 6  # transient failures per prompt before it is failed
     backoff_base_s: float = 0.5

@@ -127,7 +127,8 @@ class GPUService:
                 raise
             failures = 0
             await self._open_http(capacity)
-            await self.dispatcher.slots.resize(capacity)
+            limit = min(capacity, self.config.max_in_flight or capacity)
+            await self.dispatcher.slots.resize(limit)
             self.state, self.message = "serving", ""
             self.dispatcher.accepting.set()
             await self.publisher.publish()
@@ -262,7 +263,7 @@ class GPUService:
         return WorkerStatus(
             worker=self.worker, host=HOST, queue=self.queue, gpu=self.gpu, state=self.state,
             server_url=self.server.url, strategy=self.server.spec.strategy, server_flags=self.server.flags,
-            generation=self.server.spec.generation, effective_max=self.dispatcher.slots.capacity,
+            generation=self.server.spec.generation, effective_max=self.server.capacity,
             in_flight=self.dispatcher.in_flight, done=self.dispatcher.done, failed=self.dispatcher.failed,
             tokens_per_s=round(self.dispatcher.tokens_per_s(), 1), metrics=self.metrics, message=self.message)
 

@@ -18,6 +18,8 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | bf:<run>:status:<worker> | string | worker | the worker's latest status record (expires) |
 | bf:<run>:events | stream | supervisor/worker | `Event`s (field `e`): decisions and restarts (capped) |
 | bf:<run>:control | hash | supervisor | desired `ServerSpec`: field `fleet`, and `worker:<name>` overrides |
+| bf:<run>:history | stream | supervisor | fleet samples (field `s`) for `supervisor report` (capped) |
+| bf:<run>:autopilot | string | supervisor | the autopilot's state (phase, changes tried and failed) |
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ FAILURE_TTL_S = 7 * 24 * 3600  # failed jobs stay requeueable for a week (RQ's d
 STATUS_TTL_S = 30  # a worker silent this long is treated as gone
 STARTED_REGISTRY_TTL_S = 24 * 3600  # RQ's cleanup must never reap our jobs; leases do that job
 EVENTS_MAXLEN = 10_000
+HISTORY_MAXLEN = 100_000  # one fleet sample per second is a day of history
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,14 @@ class Keys:
     @property
     def control(self) -> str:
         return self.prefix + "control"
+
+    @property
+    def history(self) -> str:
+        return self.prefix + "history"
+
+    @property
+    def autopilot(self) -> str:
+        return self.prefix + "autopilot"
 
     CONTROL_FLEET = "fleet"
 

@@ -1,0 +1,65 @@
+"""The fleet's metrics for Prometheus (`supervisor run --metrics-port P`), on a private registry so
+nothing of the supervisor process itself leaks in."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from .autopilot import State
+from .classify import CLASSES, WindowReport, server_tokens_per_s
+from .fleet import FleetSnapshot
+
+__all__ = ["FleetMetrics"]
+
+PREFIX = "batchfleet_"
+
+
+class FleetMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        g = lambda name, doc, labels=(): Gauge(PREFIX + name, doc, labels, registry=self.registry)  # noqa: E731
+        self.fleet_tps = g("fleet_tokens_per_s", "Fleet generation tokens/s as the servers report it")
+        self.fleet_wall_tps = g("fleet_wall_tokens_per_s", "Fleet completion tokens/s measured by the workers")
+        self.backlog = g("backlog_prompts", "Prompts waiting in Redis", ("queue",))
+        self.eta = g("eta_seconds", "Estimated seconds until the backlog is done (-1: unknown)")
+        self.in_flight = g("gpu_in_flight", "Prompts in flight", ("worker", "gpu"))
+        self.capacity = g("gpu_effective_max", "The server's effective max running requests", ("worker", "gpu"))
+        self.gpu_tps = g("gpu_tokens_per_s", "Server-reported generation tokens/s", ("worker", "gpu"))
+        self.kv = g("gpu_full_kv_usage", "Full-attention KV pool usage", ("worker", "gpu"))
+        self.mamba = g("gpu_mamba_usage", "Mamba state slot usage", ("worker", "gpu"))
+        self.generation = g("gpu_generation", "Control generation the server runs", ("worker", "gpu"))
+        self.cls = g("gpu_class", "1 for the server's class in the last window", ("worker", "gpu", "cls"))
+        self.phase = g("autopilot_phase", "1 for the autopilot's phase", ("phase",))
+        self.events = Counter(PREFIX + "events", "Supervisor and restart events seen, by kind", ("kind",),
+                              registry=self.registry)
+        self._last_event_ts = 0.0
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def update(self, snap: FleetSnapshot, report: WindowReport | None, state: State) -> None:
+        self.fleet_tps.set(sum(server_tokens_per_s(w) for w in snap.workers if w.state == "serving"))
+        self.fleet_wall_tps.set(snap.tokens_per_s)
+        for q, n in snap.backlog.items():
+            self.backlog.labels(q).set(n)
+        eta = snap.eta_s()
+        self.eta.set(-1 if eta is None else eta)
+        for w in snap.workers:
+            lab = (w.worker, str(w.gpu))
+            self.in_flight.labels(*lab).set(w.in_flight)
+            self.capacity.labels(*lab).set(w.effective_max)
+            self.gpu_tps.labels(*lab).set(server_tokens_per_s(w))
+            self.kv.labels(*lab).set(w.metrics.full_kv_usage or 0)
+            self.mamba.labels(*lab).set(w.metrics.mamba_usage or 0)
+            self.generation.labels(*lab).set(w.generation)
+        if report is not None:
+            for v in report.servers:
+                for c in CLASSES:
+                    self.cls.labels(v.worker, str(v.gpu), c).set(1 if v.cls == c else 0)
+        for p in ("observing", "canary", "rolling_out", "verifying"):
+            self.phase.labels(p).set(1 if state.phase == p else 0)
+        for e in snap.events:
+            if e.ts > self._last_event_ts:
+                self.events.labels(e.kind).inc()
+        if snap.events:
+            self._last_event_ts = max(self._last_event_ts, *(e.ts for e in snap.events))

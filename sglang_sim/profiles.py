@@ -73,6 +73,16 @@ PROFILES: dict[str, Profile] = {
         decode_base_s=0.020, decode_per_req_s=0.0001, decode_knee=64, decode_per_req_after_knee_s=0.0005,
         prefill_base_s=0.005, prefill_per_token_s=0.00002,
     ),
+    # Test-only (supervisor's "canary does not gain"): tiny-hybrid's memory, but decode turns
+    # compute-bound past 12 running requests, so the extra slots of no_buffer cost throughput.
+    "knee-hybrid": Profile(
+        name="knee-hybrid", model_path="sim/knee-hybrid", architecture="Qwen3NextForCausalLM",
+        hybrid=True, gpu_total_gb=8.0, cuda_context_gb=0.25, weight_gb=2.0, held_gb=1.0, activation_gb=0.5,
+        mamba_conv_bytes=2 * MIB, mamba_ssm_bytes=26 * MIB, kv_bytes_per_token=16 * 1024, context_len=4096,
+        default_mem_fraction=0.85, chunked_prefill_size=2048,
+        decode_base_s=0.020, decode_per_req_s=0.0001, decode_knee=12, decode_per_req_after_knee_s=0.01,
+        prefill_base_s=0.005, prefill_per_token_s=0.00002,
+    ),
     # A plain transformer: no mamba pool, concurrency bounded by KV tokens.
     "tiny-plain": Profile(
         name="tiny-plain", model_path="sim/tiny-plain", architecture="LlamaForCausalLM",

@@ -88,6 +88,7 @@ class State:
     target: dict[str, Any] | None = None  # ServerSpec being tried
     predicted: float = 1.0
     canary: str = ""
+    canary_label: str = ""  # gpuN, for people
     phase_since: float = 0.0
     warm: bool = False  # the first window on a new spec is a ramp-up; it is not measured
     canary_tps: list[float] = field(default_factory=list)
@@ -131,22 +132,24 @@ class Autopilot:
     def _emit(self, kind: str, message: str, **data: Any) -> None:
         self._out.append(Emit(Event(kind=kind, message=message, source="supervisor", data=data)))
 
-    def _note(self, topic: str, kind: str, message: str, **data: Any) -> None:
-        """Emit only when what there is to say on `topic` changed (so a steady state is said once)."""
-        if self.state.notes.get(topic) != message:
-            self.state.notes[topic] = message
+    def _note(self, topic: str, key: str, kind: str, message: str, **data: Any) -> None:
+        """Emit only when what there is to say on `topic` changed in substance (`key`, not the figures
+        in `message`), so a steady state is said once."""
+        if self.state.notes.get(topic) != key:
+            self.state.notes[topic] = key
             self._emit(kind, message, **data)
 
     def _diagnose(self, report: WindowReport) -> None:
         for v in report.servers:
-            text = f"{v.worker}: {v.cls}: {'; '.join(v.reasons)}" if v.cls in PROBLEMS else ""
+            text = f"{v.label}: {v.cls}: {'; '.join(v.reasons)}" if v.cls in PROBLEMS else ""
             if v.outliers:
-                text += ("; " if text else f"{v.worker}: ") + "far from its peers: " + "; ".join(v.outliers)
+                text += ("; " if text else f"{v.label}: ") + "far from its peers: " + "; ".join(v.outliers)
             if text or v.worker in self.state.notes:
                 if not text:
                     self.state.notes.pop(v.worker, None)
                     continue
-                self._note(v.worker, "diagnosis", text, worker=v.worker, cls=v.cls, reasons=v.reasons,
+                key = "|".join([v.cls if v.cls in PROBLEMS else "", *(o.split(" ")[0] for o in v.outliers)])
+                self._note(v.worker, key, "diagnosis", text, worker=v.worker, cls=v.cls, reasons=v.reasons,
                            outliers=v.outliers, ours=v.cls == CLIENT_BOUND)
 
     @staticmethod
@@ -176,33 +179,35 @@ class Autopilot:
         hits = [v.cache_hit_rate for v in report.serving if v.cache_hit_rate is not None]
         prop = next_rung(control.current, self.ladder, failed=st.failed,
                          cache_hit_rate=statistics.fmean(hits) if hits else None)
+        cur, seen = control.current.describe(), self._seen(report)
         if prop.target is None:
-            self._note("fleet", "decision", f"stalled on {control.current.describe()}, but no change to try: "
-                       + "; ".join(prop.reasons), seen=self._seen(report))
+            self._note("fleet", "no-rung", "decision", f"stalled on {cur}, but no change to try: "
+                       + "; ".join(prop.reasons), seen=seen)
             return
         eta = report.eta_s
         if eta is None:
-            self._note("fleet", "decision", "stalled, but the work left cannot be estimated yet (no prompt finished)")
+            self._note("fleet", "eta-unknown", "decision",
+                       "stalled, but the work left cannot be estimated yet (no prompt finished)")
             return
         saved = eta * (1 - 1 / prop.ratio)
         cost = self.s.restart_cost_s * self.s.worth_factor
         worth = (f"~{saved:,.0f} s saved of {eta:,.0f} s left vs restart cost {self.s.restart_cost_s:g} s "
                  f"x{self.s.worth_factor:g}")
         if saved <= cost:
-            self._note("fleet", "decision", f"stalled, {prop.target.describe()} would gain x{prop.ratio:.2f} but it is "
-                       f"not worth a restart: {worth}", seen=self._seen(report))
+            self._note("fleet", "not-worth", "decision", f"stalled, {prop.target.describe()} would gain "
+                       f"x{prop.ratio:.2f} but it is not worth a restart: {worth}", seen=seen)
             return
         why = [*{r for v in stalled for r in v.reasons[:1]}][:3] + prop.reasons + [worth]
         decide_s = round(now - st.stall_since, 1)
         if self.s.dry_run:
-            self._note("fleet", "advice", f"advice (dry run): move {control.current.describe()} -> "
-                       f"{prop.target.describe()}, predicted capacity x{prop.ratio:.2f}", seen=self._seen(report),
+            self._note("fleet", "advice:" + prop.target.describe(), "advice", f"advice (dry run): move {cur} -> "
+                       f"{prop.target.describe()}, predicted capacity x{prop.ratio:.2f}", seen=seen,
                        why=why, windows=st.stall, decide_s=decide_s)
             return
         target = replace(prop.target, generation=control.next_generation())
         canary = min(stalled, key=lambda v: (v.gpu if v.gpu is not None else 1 << 30, v.worker))
         st.baseline, st.target, st.predicted = asdict(control.current), asdict(target), prop.ratio
-        st.canary = canary.worker
+        st.canary, st.canary_label = canary.worker, canary.label
         st.baseline_capacity = statistics.fmean(v.effective_max for v in report.serving)
         st.baseline_server_tps = statistics.fmean(v.tokens_per_s for v in report.serving)
         st.before_tps = statistics.fmean(st.fleet_tps[-self.s.windows:])
@@ -210,9 +215,9 @@ class Autopilot:
         st.canary_tps, st.peers_tps = [], []
         st.notes.pop("fleet", None)
         self._emit("decision", f"mamba-bound for {st.stall} windows on {len(stalled)}/{len(report.serving)} GPUs; "
-                   f"canary {canary.worker}: {control.current.describe()} -> {target.describe()} (generation "
+                   f"canary {canary.label}: {control.current.describe()} -> {target.describe()} (generation "
                    f"{target.generation}), predicted capacity x{prop.ratio:.2f}", seen=self._seen(report), why=why,
-                   done=f"override {canary.worker}", windows=st.stall, decide_s=decide_s,
+                   done=f"override {canary.label} ({canary.worker})", windows=st.stall, decide_s=decide_s,
                    before_tokens_per_s=round(st.before_tps, 1), target=st.target, predicted_ratio=prop.ratio)
         self._out.append(SetOverride(canary.worker, target))
 
@@ -221,11 +226,11 @@ class Autopilot:
         target = ServerSpec(**st.target or {})
         v = report.get(st.canary)
         if v is not None and v.state == "down" and now - st.phase_since > 1:
-            self._rollback(control, f"the canary {st.canary} is down: {'; '.join(v.reasons)}")
+            self._rollback(control, f"the canary {st.canary_label} is down: {'; '.join(v.reasons)}")
             return
         if v is None or v.generation != target.generation or not v.serving:
             if now - st.phase_since > self.s.canary_timeout_s:
-                self._rollback(control, f"the canary {st.canary} did not serve {target.describe()} within "
+                self._rollback(control, f"the canary {st.canary_label} did not serve {target.describe()} within "
                                f"{self.s.canary_timeout_s:g} s")
             return
         if not st.warm:  # its semaphore is still filling: not a fair measure
@@ -241,7 +246,7 @@ class Autopilot:
                     "capacity_before": st.baseline_capacity, "capacity_after": v.effective_max,
                     "predicted_ratio": st.predicted, "measured_ratio": round(mine / theirs, 3) if theirs else None}
         if v.effective_max > st.baseline_capacity and mine >= (1 + self.s.margin) * theirs:
-            self._emit("canary", f"canary {st.canary} gained: {v.effective_max} slots (was "
+            self._emit("canary", f"canary {st.canary_label} gained: {v.effective_max} slots (was "
                        f"{st.baseline_capacity:.0f}), {mine:,.0f} vs peers' {theirs:,.0f} tok/s "
                        f"(x{mine / theirs:.2f}); rolling out {self.s.rollout_batch} at a time", **measured)
             st.phase, st.phase_since, st.rolled = "rolling_out", now, [st.canary]
@@ -266,7 +271,8 @@ class Autopilot:
         for w in todo[:max(0, self.s.rollout_batch - len(pending))]:
             st.rolled.append(w)
             self._out.append(SetOverride(w, target))
-            self._emit("rollout", f"{w} -> {target.describe()} (generation {target.generation})", worker=w)
+            label = next((v.label for v in report.servers if v.worker == w), w)
+            self._emit("rollout", f"{label} -> {target.describe()} (generation {target.generation})", worker=w)
         if not pending and not todo:
             self._out.append(SetFleet(target))
             self._emit("rolled_out", f"all {len(st.rolled)} GPUs serve {target.describe()}; it is now the fleet's "

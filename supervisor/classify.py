@@ -36,7 +36,7 @@ CLASSES = (DOWN, RESTARTING, HUNG, DRAINING, KV_BOUND, CLIENT_BOUND, MAMBA_BOUND
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    pinned: float = 0.9  # mean running / effective max at or above this: the server is full
+    pinned: float = 0.9  # mean running within max(1, 10 %) of the effective max: the server is full
     mamba_high: float = 0.5  # sglang:mamba_usage (evictable states count as free)
     kv_low: float = 0.5  # full-KV usage below this: KV has room to spare
     kv_high: float = 0.9  # full-KV usage at or above this: KV binds
@@ -67,6 +67,10 @@ class ServerView:
     @property
     def serving(self) -> bool:
         return self.state == "serving"
+
+    @property
+    def label(self) -> str:
+        return f"gpu{self.gpu}" if self.gpu is not None else self.worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +142,10 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, th: Thresholds) -> 
         if retracted and retracted[-1] > retracted[0]:
             why.append(f"{retracted[-1] - retracted[0]:.0f} request(s) retracted")
         return KV_BOUND, why
-    if running / cap < th.pinned:
+    if running < cap - max(1.0, (1 - th.pinned) * cap):  # one slot refilling is not a stall on small servers
         in_flight = statistics.fmean(s.in_flight for s in serving)
         why = [f"running {running:.0f} of {cap} while Redis holds {backlog} prompt(s): our side is slow"]
-        if in_flight < th.pinned * cap:
+        if in_flight < cap - max(1.0, (1 - th.pinned) * cap):
             why.append(f"the worker keeps only {in_flight:.0f} in flight (BATCHFLEET_MAX_IN_FLIGHT, dispatch or "
                        "Redis), not the server")
         return CLIENT_BOUND, why

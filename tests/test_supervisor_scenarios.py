@@ -44,7 +44,8 @@ def observe_without_restart(fleet: Fleet, sup: SupervisorProc, cls: str, *, wind
     def classes() -> dict[str, str]:
         raw = fleet.r.get(fleet.k.autopilot)
         return orjson.loads(raw)["classes"] if raw else {}
-    fleet.wait_for(lambda: set(classes().values()) == {cls}, 60, f"every server classified {cls}: {classes()}")
+    fleet.wait_for(lambda: set(classes().values()) == {cls}, 60,
+                   f"every server classified {cls}: {classes()}; supervisor said:\n{sup.output()[-3000:]}")
     seen = len(fleet.r.xrange(fleet.k.history))
     fleet.wait_for(lambda: len(fleet.r.xrange(fleet.k.history)) >= seen + windows * 4, 60, f"{windows} windows")
     assert set(classes().values()) == {cls}, sup.output()
@@ -76,9 +77,9 @@ def test_saturated_healthy_restarts_nothing(tmp_path, redis_url):
 
 def test_kv_bound_restarts_nothing(tmp_path, redis_url):
     # A plain model asked for more requests than its KV pool holds: KV fills up and the server retracts.
-    fleet, sup = start(tmp_path, redis_url, gpus=1, prompts=400, min_tokens=900, max_tokens=1000,
+    fleet, sup = start(tmp_path, redis_url, gpus=1, prompts=1500, min_tokens=900, max_tokens=1000,
                        env={"SGLANG_SIM_PROFILE": "tiny-plain", "BATCHFLEET_MODEL_PATH": "sim/tiny-plain",
-                            "BATCHFLEET_MAX_RUNNING_REQUESTS": "64"})
+                            "BATCHFLEET_MAX_RUNNING_REQUESTS": "64", "SGLANG_SIM_TIME_SCALE": "5"})
     try:
         observe_without_restart(fleet, sup, "kv-bound")
     finally:
@@ -88,20 +89,21 @@ def test_kv_bound_restarts_nothing(tmp_path, redis_url):
 
 def test_draining_restarts_nothing_and_loses_nothing(tmp_path, redis_url):
     # The backlog is gone almost at once: a mamba-bound-looking server with no work left waiting.
-    fleet, sup = start(tmp_path, redis_url, gpus=1, prompts=24, min_tokens=3000, max_tokens=3000,
+    # Fewer prompts than slots, so the worker's health probe (a real generation) finds a free slot.
+    fleet, sup = start(tmp_path, redis_url, gpus=1, prompts=10, min_tokens=1200, max_tokens=1200,
                        env={"SGLANG_SIM_TIME_SCALE": "2"})
     try:
         observe_without_restart(fleet, sup, "draining", windows=3)
-        fleet.wait_for(lambda: fleet.finished() >= 24, 120, "all prompts")
+        fleet.wait_for(lambda: fleet.finished() >= 10, 120, "all prompts")
     finally:
         sup.stop()
         fleet.stop_all()
-    assert exactly_once(fleet, 24) == (0, 0)
+    assert exactly_once(fleet, 10) == (0, 0)
 
 
 def test_a_canary_that_does_not_gain_is_rolled_back_and_not_tried_again(tmp_path, redis_url):
     # knee-hybrid: no_buffer gives 22 slots instead of 12, but decode slows steeply past 12 running.
-    fleet, sup = start(tmp_path, redis_url, gpus=2, prompts=1600,
+    fleet, sup = start(tmp_path, redis_url, gpus=2, prompts=1000,
                        env={"SGLANG_SIM_PROFILE": "knee-hybrid", "BATCHFLEET_MODEL_PATH": "sim/knee-hybrid",
                             "SGLANG_SIM_TIME_SCALE": "5"}, args=(*FAST, "--forbid", "no_radix"))
     try:
@@ -113,13 +115,12 @@ def test_a_canary_that_does_not_gain_is_rolled_back_and_not_tried_again(tmp_path
         # Stalled again, but the change that failed is not tried twice.
         fleet.wait_for(lambda: any("did not gain" in e.message for e in sup.events("decision")), 60,
                        "the autopilot to say it has nothing left to try")
-        fleet.wait_for(lambda: fleet.finished() >= 1600, 180, "all prompts")
+        assert {(s.strategy, s.effective_max) for s in fleet.statuses()} == {("default", 12)}
+        fleet.wait_for(lambda: fleet.finished() >= 1000, 180, "all prompts")
     finally:
         sup.stop()
         fleet.stop_all()
     assert len(sup.events("restarted")) == 2  # the canary out and back; nobody else
-    back = {s.worker: s for s in fleet.statuses()} or None
-    assert back is None or all(s.strategy == "default" for s in back.values())
     spec = fleet.r.hget(fleet.k.control, Keys.control_worker(canary))
     assert orjson.loads(spec)["strategy"] == "default"
-    assert exactly_once(fleet, 1600) == (0, 0)
+    assert exactly_once(fleet, 1000) == (0, 0)

@@ -1,0 +1,91 @@
+"""The supervisor's Redis side and CLI on a real Redis with hand-written status records (no processes)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import orjson
+import pytest
+from prometheus_client import generate_latest
+
+from batchfleet.keys import Keys
+from batchfleet.records import Event, ServerMetrics, ServerSpec, WorkerStatus
+from supervisor.autopilot import Emit, SetFleet, SetOverride, State
+from supervisor.cli import main
+from supervisor.fleet import read_fleet
+from supervisor.prom import FleetMetrics
+from supervisor.report import load, plot, summarize
+from supervisor.run import apply, history_sample, manual_restart, read_control
+
+K = Keys("t")
+
+
+@pytest.fixture
+def fleet(r, redis_url, monkeypatch):
+    monkeypatch.setenv("BATCHFLEET_REDIS_URL", redis_url)
+    monkeypatch.setenv("BATCHFLEET_RUN", "t")
+    for g in range(2):
+        w = WorkerStatus(worker=f"w{g}", host="h", queue=f"gpu{g}", gpu=g, state="serving", effective_max=37,
+                         in_flight=37, server_flags=["--enable-metrics"],
+                         metrics=ServerMetrics(running=37, full_kv_usage=0.05, mamba_usage=0.69, gen_throughput=560))
+        r.set(K.status(w.worker), w.to_json())
+        r.sadd(K.workers, w.worker)
+        r.sadd("rq:queues", f"rq:queue:gpu{g}")
+        r.rpush(f"rq:queue:gpu{g}", *[f"j{i}" for i in range(5)])
+    return r
+
+
+def test_manual_restart_canary_then_fleet(fleet):
+    spec = manual_restart(fleet, K, ServerSpec(strategy="no_buffer", mem_fraction_static=0.9), canary="w0")
+    assert spec.generation == 1
+    assert ServerSpec.from_json(fleet.hget(K.control, Keys.control_worker("w0"))) == spec
+    spec2 = manual_restart(fleet, K, ServerSpec(strategy="no_buffer", mem_fraction_static=0.9))
+    assert spec2.generation == 2  # generations only increase, overrides included
+    assert fleet.hkeys(K.control) == [b"fleet"]  # the fleet spec replaced every override
+    events = [Event.from_json(f[b"e"]) for _, f in fleet.xrange(K.events)]
+    assert [e.kind for e in events] == ["manual", "manual"] and "canary" in events[0].message
+
+
+def test_apply_writes_specs_then_events_and_read_control_reads_them_back(fleet):
+    said = []
+    spec = ServerSpec(generation=3, strategy="no_buffer")
+    apply(fleet, K, [Emit(Event("decision", "why")), SetOverride("w1", spec)], say=said.append)
+    control = read_control(fleet, K, read_fleet(fleet, K))
+    assert control.overrides == {"w1": spec} and control.fleet is None and control.next_generation() == 4
+    assert control.current.strategy == "default" and said[0].endswith("decision: why")
+    apply(fleet, K, [SetFleet(spec)], say=said.append)
+    assert read_control(fleet, K, read_fleet(fleet, K)).overrides == {}
+
+
+def test_watch_once_json_has_classes(fleet, capsys):
+    assert main(["watch", "--once", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["classes"] == {"w0": "mamba-bound", "w1": "mamba-bound"} and out["total_backlog"] == 10
+
+
+def test_prometheus_exposes_fleet_and_per_gpu_metrics(fleet):
+    m = FleetMetrics()
+    m.update(read_fleet(fleet, K), None, State(phase="canary"))
+    text = generate_latest(m.registry).decode()
+    assert "batchfleet_fleet_tokens_per_s 1120.0" in text
+    assert 'batchfleet_gpu_effective_max{gpu="0",worker="w0"} 37.0' in text
+    assert 'batchfleet_autopilot_phase{phase="canary"} 1.0' in text
+
+
+def test_report_plots_history_and_summarizes(fleet, tmp_path, capsys):
+    snap = read_fleet(fleet, K)
+    for _ in range(5):
+        fleet.xadd(K.history, {"s": history_sample(snap, {"w0": "mamba-bound"})})
+    restarted = Event("restarted", "gpu0 restarted", data={"downtime_s": 4.2}, ts=time.time())
+    fleet.xadd(K.events, {"e": restarted.to_json()})
+    fleet.xadd(K.events, {"e": Event("verified", "done", data={"before_tokens_per_s": 1000,
+                                                               "after_tokens_per_s": 1900}).to_json()})
+    samples, events = load(fleet, K)
+    assert orjson.loads(orjson.dumps(samples[0]))["gpus"]["w0"]["class"] == "mamba-bound"
+    text = summarize(samples, events).text()
+    assert "1 server restart" in text and "x1.90" in text and "median 4.2 s" in text
+    out = tmp_path / "r.png"
+    plot(samples, events, out)
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert main(["report", str(tmp_path / "cli.png")]) == 0 and (tmp_path / "cli.png").exists()

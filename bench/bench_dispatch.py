@@ -79,8 +79,8 @@ async def run_dispatcher(url: str, config: Config, capacity: int) -> tuple[float
     await d.run(burst=True)
     await d.drain(10)
     elapsed = time.perf_counter() - t0
-    flusher.cancel()
-    await asyncio.gather(flusher, return_exceptions=True)
+    ledger.close()
+    await flusher
     await client.aclose()
     return elapsed, d.done
 

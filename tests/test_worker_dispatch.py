@@ -70,7 +70,8 @@ def run_burst(redis_url: str, backend: Backend, capacity: int, **config) -> Disp
         flusher = asyncio.create_task(ledger.run_flusher())
         await d.run(burst=True)
         await d.drain(5)
-        flusher.cancel()
+        ledger.close()
+        await flusher
         await client.aclose()
         return d
 

@@ -152,7 +152,7 @@ class Ledger:
         self.held: dict[str, Claim] = {}
         self._pending: list[_Finish] = []
         self._wake = asyncio.Event()
-        self._flushed = asyncio.Event()
+        self._closing = False
         self.results_backlog = 0  # entries waiting in the results stream, as of the last flush
         self.stale = 0  # finishes refused because the lease had lapsed
         self._claim = client.register_script(_CLAIM)
@@ -185,8 +185,11 @@ class Ledger:
         self._wake.set()
 
     async def run_flusher(self) -> None:
-        """Write queued outcomes as they come: batches form naturally while a call is in flight."""
-        while True:
+        """Write queued outcomes as they come: batches form naturally while a call is in flight.
+        Ends after `close()` once nothing is pending. (Stopped by a flag, not by cancellation:
+        redis-py can swallow a CancelledError that lands inside a command, and the task would
+        never end.)"""
+        while not (self._closing and not self._pending):
             await self._wake.wait()
             self._wake.clear()
             try:
@@ -195,6 +198,11 @@ class Ledger:
                 log.exception("writing %d outcome(s) to Redis failed; retrying", len(self._pending))
                 await asyncio.sleep(1.0)
                 self._wake.set()
+
+    def close(self) -> None:
+        """Let `run_flusher` end once it has written what is pending."""
+        self._closing = True
+        self._wake.set()
 
     async def flush(self) -> None:
         while self._pending:

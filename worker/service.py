@@ -82,13 +82,17 @@ class GPUService:
             handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
             for t in (serving, claiming, stop):
                 t.cancel()
-            await asyncio.gather(serving, claiming, stop, return_exceptions=True)
+            await asyncio.wait([serving, claiming, stop], timeout=10)
             self.state = "down"
             self.message = f"stopped ({handed} prompt(s) handed back)"
             await self.server.stop()
-            for t in background:
+            self.ledger.close()
+            flusher, others = background[0], background[1:]
+            for t in others:
                 t.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            # Bounded waits: redis-py may swallow a cancellation that lands inside a command.
+            await asyncio.wait([flusher], timeout=10)
+            await asyncio.wait(others, timeout=5)
             await self.ledger.flush()
             await self.publisher.forget(self.worker)
             if self._http is not None:

@@ -282,7 +282,10 @@ class Autopilot:
     def _verifying(self, report: WindowReport, control: Control, now: float) -> None:
         st = self.state
         if not st.warm:
-            st.warm = True
+            # The last servers back are still filling their new slots: measure once all are full (or
+            # after three windows, so a fleet that never fills is still judged).
+            ramping = [v for v in report.servers if v.cls in (CLIENT_BOUND, "restarting")]
+            st.warm = (not ramping and now - st.phase_since > 0) or now - st.phase_since > 3 * self._window(report)
             return
         if report.backlog > 0:
             st.after_tps.append(report.fleet_tokens_per_s)
@@ -296,6 +299,10 @@ class Autopilot:
                    before_tokens_per_s=round(st.before_tps, 1), after_tokens_per_s=round(after, 1),
                    ratio=round(ratio, 3) if ratio else None, slots=slots, target=st.target, decide_s=st.decide_s)
         self._reset()
+
+    @staticmethod
+    def _window(report: WindowReport) -> float:
+        return max(report.end - report.start, 1.0)
 
     def _rollback(self, control: Control, why: str, **data: Any) -> None:
         st = self.state

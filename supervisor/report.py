@@ -80,9 +80,10 @@ def plot(samples: list[dict[str, Any]], events: list[Event], out: Path, *, title
     top.plot(ts, [s["tokens_per_s"] for s in samples], color="black", lw=1.2, label="fleet (server-reported)")
     top.set_ylabel("fleet tokens/s")
     top.set_title(title)
-    gpus = sorted({w for s in samples for w in s["gpus"]}, key=lambda w: (len(w), w))
-    for w in gpus:
-        bottom.plot(ts, [s["gpus"].get(w, {}).get("in_flight", float("nan")) for s in samples], lw=0.9, label=w)
+    labels = {w: f"gpu{g['gpu']}" if g.get("gpu") is not None else w for s in samples for w, g in s["gpus"].items()}
+    for w in sorted(labels, key=lambda w: (len(labels[w]), labels[w])):
+        bottom.plot(ts, [s["gpus"].get(w, {}).get("in_flight", float("nan")) for s in samples], lw=0.9,
+                    label=labels[w])
     bottom.set_ylabel("in flight per GPU")
     bottom.set_xlabel("seconds")
     for e in events:

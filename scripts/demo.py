@@ -28,6 +28,9 @@ from supervisor.fleet import read_fleet
 from supervisor.view import render
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.redisproc import PrivateRedis  # noqa: E402  (a dev tool, not part of the installed package)
+
 BIN = Path(sys.executable).parent
 console = Console(width=None if sys.stdout.isatty() else 120)
 
@@ -38,28 +41,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def redis_or_private(url: str, workdir: Path) -> tuple[str, subprocess.Popen[bytes] | None]:
+def redis_or_private(url: str) -> tuple[str, PrivateRedis | None]:
     try:
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
         console.print(f"Redis: using {url}")
         return url, None
     except redis.RedisError:
         pass
-    exe = shutil.which("redis-server")
-    if exe is None:
+    if shutil.which("redis-server") is None:
         sys.exit("demo: no Redis answers at REDIS_URL and redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(100):
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.RedisError:
-            time.sleep(0.05)
-    console.print(f"Redis: none at the configured URL; started a private redis-server at {url}")
-    return url, proc
+    private = PrivateRedis().__enter__()
+    console.print(f"Redis: none at the configured URL; started a private redis-server at {private.url}")
+    return private.url, private
 
 
 def main() -> int:
@@ -67,14 +60,14 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--prompts", type=Path, default=ROOT / "examples" / "prompts.jsonl")
     parser.add_argument("--profile", default="seed-27b-96gb", help="simulated model/GPU (SGLANG_SIM_PROFILE)")
-    parser.add_argument("--time-scale", type=float, default=40.0, help="simulated seconds per wall second")
+    parser.add_argument("--time-scale", type=float, default=20.0, help="simulated seconds per wall second")
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
 
     run = time.strftime("demo-%Y%m%d-%H%M%S")
     workdir = ROOT / "var" / "demo" / run
     workdir.mkdir(parents=True, exist_ok=True)
-    url, private_redis = redis_or_private(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), workdir)
+    url, private_redis = redis_or_private(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     port_base = free_port_block(args.gpus)
     env = {
         **os.environ,
@@ -123,7 +116,7 @@ def main() -> int:
     subprocess.run([str(BIN / "producer"), "export", str(out)], env=env, check=False)
     summary(out, workdir, elapsed, args.time_scale)
     if private_redis is not None:
-        private_redis.terminate()
+        private_redis.__exit__(None, None, None)
     return 0
 
 

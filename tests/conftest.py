@@ -23,14 +23,17 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server subprocess the tests own."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *extra_args: str, password: str = "") -> None:
         self.port = free_port()
         self.workdir = workdir
+        self.extra_args = [*extra_args, *(["--requirepass", password] if password else [])]
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         exe = shutil.which("redis-server")
@@ -38,10 +41,10 @@ class RedisServer:
             pytest.fail("redis-server is not installed (.ci/run installs it)")
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)],
+             "--dir", str(self.workdir), *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port)
+        client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + 10
         while True:
             try:

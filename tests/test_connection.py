@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import redis
@@ -14,25 +12,15 @@ import redis.asyncio as aioredis
 
 from batchfleet.connection import async_client_like, connect, redacted
 
-from .conftest import free_port
+from .conftest import RedisServer
 
 
 @pytest.fixture
 def password_redis(tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-                             "127.0.0.1", "--save", "", "--requirepass", "s3cret", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL)
-    url = f"redis://:s3cret@127.0.0.1:{port}/2"
-    for _ in range(100):
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    server = RedisServer(tmp_path, password="s3cret")
+    server.start()
+    yield server.url[: -len("/0")] + "/2"
+    server.stop()
 
 
 def test_password_is_used_by_sync_and_async_clients(password_redis):

@@ -168,3 +168,21 @@ def test_legacy_server_gets_the_old_flag_and_capacity_from_its_log(tmp_path, red
     assert argv[argv.index("--mamba-scheduler-strategy") + 1] == "no_buffer"
     assert "--mamba-radix-cache-strategy" not in argv and "--disable-overlap-schedule" not in argv
     assert status.effective_max == rec["effective_max_running_requests"] == rec["peak_running"]
+
+
+def test_hung_server_is_detected_killed_and_restarted_without_loss(tmp_path, redis_url):
+    # The simulator stops generating after 30 admissions while its port stays open and /health
+    # answers 200: only a real generation shows it is stuck.
+    fleet = Fleet(tmp_path, redis_url, gpus=1, env={"SGLANG_SIM_HANG_AFTER": "30",
+                                                    "BATCHFLEET_HEALTH_INTERVAL_S": "1"})
+    rows = write_prompts(tmp_path / "prompts.jsonl", 50)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.start_worker(0)
+    fleet.wait_for(lambda: fleet.finished() >= 50, 150, "all prompts despite the hang")
+    fleet.stop_all()
+    log = fleet.worker_log(0)
+    assert "health check failed (2 in a row)" in log and "restarting it" in log
+    assert fleet.stats()["succeeded"] == 50
+    out = tmp_path / "results.jsonl"
+    fleet.producer("export", str(out))
+    assert sorted(x["custom_id"] for x in read_export(out)) == sorted(r["id"] for r in rows)

@@ -81,7 +81,7 @@ class SGLangServer:
         deadline = time.monotonic() + self.config.startup_timeout_s
         async with self._client(timeout_s=30.0) as client:
             while True:
-                self._check_alive(starting=True)
+                self.check_alive(starting=True)
                 fatal = self._fatal_line()
                 if fatal:
                     await self.stop()
@@ -162,7 +162,7 @@ class SGLangServer:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def _check_alive(self, *, starting: bool = False) -> None:
+    def check_alive(self, *, starting: bool = False) -> None:
         if self.proc is None:
             raise ServerDied(f"gpu{self.gpu}: no server process")
         code = self.proc.poll()
@@ -174,11 +174,11 @@ class SGLangServer:
     async def check_health(self, client: httpx.AsyncClient, *, timeout_s: float = 30.0) -> None:
         """Raise ServerDied if the process is gone or cannot generate (a hung server keeps its port
         open and answers /ready, so health is judged by generation)."""
-        self._check_alive()
+        self.check_alive()
         try:
             resp = await client.get("/health_generate", timeout=timeout_s)
         except httpx.HTTPError as exc:
-            self._check_alive()
+            self.check_alive()
             raise ServerDied(f"gpu{self.gpu}: /health_generate failed: {type(exc).__name__}") from exc
         if resp.status_code != 200:
             raise ServerDied(f"gpu{self.gpu}: /health_generate answered {resp.status_code}")

@@ -157,18 +157,23 @@ class GPUService:
         exited or generation is stuck."""
         misses = 0
         last_health = time.monotonic()
+        finished_then = self._finished()
         while True:
             await asyncio.sleep(1.0)
             if not self.server.running:
-                self.server._check_alive()
+                self.server.check_alive()
             desired = await self._desired_spec()
             if desired.generation != self.server.spec.generation:
                 return
             if time.monotonic() - last_health < self.config.health_interval_s:
                 continue
             last_health = time.monotonic()
+            if self._finished() > finished_then:
+                finished_then, misses = self._finished(), 0  # prompts are finishing: it generates
+                continue
             try:
-                await self.server.check_health(self._http, timeout_s=max(5.0, self.config.health_interval_s))
+                # Nothing finished lately: idle, or stuck. Ask for a real generation.
+                await self.server.check_health(self._http, timeout_s=max(20.0, 2 * self.config.health_interval_s))
                 misses = 0
             except ServerDied as exc:
                 if not self.server.running:
@@ -177,6 +182,9 @@ class GPUService:
                 log.warning("gpu%d: health check failed (%d in a row): %s", self.gpu, misses, exc)
                 if misses >= 2:
                     raise
+
+    def _finished(self) -> int:
+        return self.dispatcher.done + self.dispatcher.failed
 
     async def _restart_for_new_spec(self) -> None:
         """Drain (in-flight prompts finish up to the deadline, the rest go back to their queue), stop

@@ -186,3 +186,31 @@ def test_hung_server_is_detected_killed_and_restarted_without_loss(tmp_path, red
     out = tmp_path / "results.jsonl"
     fleet.producer("export", str(out))
     assert sorted(x["custom_id"] for x in read_export(out)) == sorted(r["id"] for r in rows)
+
+
+def test_workers_ride_out_a_redis_restart(tmp_path):
+    # A Redis that persists (AOF), restarted mid-run on the same port: workers keep their in-flight
+    # prompts, wait for it, and carry on; nothing is lost or run twice.
+    from .conftest import RedisServer
+
+    server = RedisServer(tmp_path, "--appendonly", "yes", "--appendfsync", "always")
+    server.start()
+    try:
+        fleet = Fleet(tmp_path, server.url, gpus=1, env={"SGLANG_SIM_TIME_SCALE": "5"})
+        rows = write_prompts(tmp_path / "prompts.jsonl", 150, max_tokens=64)
+        fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+        fleet.start_worker(0)
+        fleet.wait_for(lambda: fleet.finished() >= 20, 60, "some progress")
+        server.stop()
+        time.sleep(3)
+        server.start()
+        fleet.r = __import__("redis").Redis.from_url(server.url)
+        fleet.wait_for(lambda: fleet.finished() >= 150, 120, "all prompts after the Redis restart")
+        assert fleet.stop_all() == {0: 0}
+        assert "cannot claim work from Redis" in fleet.worker_log(0)
+        out = tmp_path / "results.jsonl"
+        fleet.producer("export", str(out))
+        assert sorted(x["custom_id"] for x in read_export(out)) == sorted(r["id"] for r in rows)
+        assert fleet.stats()["succeeded"] == 150
+    finally:
+        server.stop()

@@ -37,8 +37,14 @@ class GPUWorker(BaseWorker):
 
     def work(self, burst: bool = False, logging_level: str | None = "INFO", date_format: str = "%H:%M:%S",
              log_format: str = "%(asctime)s %(name)s %(levelname)s %(message)s", **_: Any) -> bool:
-        logging.basicConfig(level=logging_level or "INFO", format=log_format, datefmt=date_format)
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the log
+        # RQ's bootstrap gives its own loggers a handler; batchfleet's get one here (not the root
+        # logger, which would print RQ's lines twice and httpx's line per request).
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(log_format, datefmt=date_format))
+        ours = logging.getLogger("batchfleet")
+        ours.addHandler(handler)
+        ours.setLevel(logging_level or "INFO")
+        ours.propagate = False
         try:
             config = Config.from_env()
             queue = self.queue_names()[0]

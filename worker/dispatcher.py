@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import redis
+
 from batchfleet.config import Config
 from batchfleet.errors import JobRefused, PromptError, RetryableError
 from batchfleet.jobs import ALLOWED
@@ -60,6 +62,7 @@ class Dispatcher:
     async def run(self, *, burst: bool = False) -> None:
         """Claim and start jobs until cancelled (or, in burst mode, until the queues are empty)."""
         idle_s = 0.02
+        redis_wait_s = 0.5
         while True:
             await self.accepting.wait()
             took = await self.slots.acquire_up_to(self.slots.capacity)
@@ -73,7 +76,16 @@ class Dispatcher:
                 await asyncio.sleep(5)
                 await self.ledger.flush()
                 continue
-            claims = await self.ledger.claim(took, self.queues())
+            try:
+                claims = await self.ledger.claim(took, self.queues())
+            except (redis.RedisError, OSError) as exc:
+                # Redis restarting or unreachable: in-flight prompts keep running; claim again later.
+                self.slots.release(took)
+                log.warning("cannot claim work from Redis (%s); retrying in %.1f s", exc, redis_wait_s)
+                await asyncio.sleep(redis_wait_s)
+                redis_wait_s = min(redis_wait_s * 2, 10.0)
+                continue
+            redis_wait_s = 0.5
             if len(claims) < took:
                 self.slots.release(took - len(claims))
             for claim in claims:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import orjson
+import redis
 import redis.asyncio as aioredis
 
 from batchfleet import keys
@@ -194,7 +195,11 @@ class Ledger:
             self._wake.clear()
             try:
                 await self.flush()
-            except Exception:  # Redis away: keep the outcomes (leases keep their jobs safe) and retry
+            except (redis.RedisError, OSError) as exc:  # Redis away: keep the outcomes and retry
+                log.warning("writing %d outcome(s) to Redis failed (%s); retrying", len(self._pending), exc)
+                await asyncio.sleep(1.0)
+                self._wake.set()
+            except Exception:
                 log.exception("writing %d outcome(s) to Redis failed; retrying", len(self._pending))
                 await asyncio.sleep(1.0)
                 self._wake.set()

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import redis
 import redis.asyncio as aioredis
 
 from batchfleet import keys, sglang
@@ -121,13 +122,13 @@ class GPUService:
                 failures += 1
                 self.state, self.message = "down", str(exc)
                 log.error("gpu%d: %s", self.gpu, exc)
-                await self.publisher.publish()
+                await self._publish()
                 await asyncio.sleep(min(300.0, 5.0 * 2 ** (failures - 1)))
                 continue
             except ConfigError as exc:
                 self.state, self.message = "down", f"configuration error: {exc}"
                 log.error("gpu%d: %s", self.gpu, self.message)
-                await self.publisher.publish()
+                await self._publish()
                 raise
             failures = 0
             await self._open_http(capacity)
@@ -135,7 +136,7 @@ class GPUService:
             await self.dispatcher.slots.resize(limit)
             self.state, self.message = "serving", ""
             self.dispatcher.accepting.set()
-            await self.publisher.publish()
+            await self._publish()
             if self._restarting is not None:
                 await self._event("restarted", f"gpu{self.gpu} now serves {spec.describe()} (generation "
                                   f"{spec.generation}) with {capacity} slots", **self._restarting, capacity=capacity,
@@ -150,7 +151,7 @@ class GPUService:
                 self.state, self.message = "restarting", str(exc).splitlines()[0]
                 self.dispatcher.accepting.clear()
                 self.server.kill()  # in-flight requests now fail and are handed back untouched
-                await self.publisher.publish()
+                await self._publish()
 
     async def _watch_server(self) -> None:
         """Return when the supervisor asks for another server spec; raise ServerDied when the process
@@ -193,7 +194,7 @@ class GPUService:
         since = time.monotonic()
         self.state, self.message = "restarting", "draining for a new server configuration"
         self.dispatcher.accepting.clear()
-        await self.publisher.publish()
+        await self._publish()
         handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
         await self.server.stop()
         gpu_note = await wait_gpu_free(self.gpu)
@@ -204,17 +205,36 @@ class GPUService:
 
     async def _desired_spec(self) -> ServerSpec:
         """What the supervisor asks of this worker's server; the configuration when it asks nothing."""
-        mine, fleet = await self.r.hmget(self.k.control, Keys.control_worker(self.worker), Keys.CONTROL_FLEET)
+        try:
+            mine, fleet = await self.r.hmget(self.k.control, Keys.control_worker(self.worker), Keys.CONTROL_FLEET)
+        except (redis.RedisError, OSError) as exc:
+            # Redis away: keep serving what runs now (or the configuration at first start).
+            log.warning("cannot read the desired server spec (%s); keeping the current one", exc)
+            return self.server.spec if self.server.running else self._configured_spec()
         raw = mine or fleet
         if raw:
             return ServerSpec.from_json(raw)
+        return self._configured_spec()
+
+    def _configured_spec(self) -> ServerSpec:
         return ServerSpec(strategy=self.config.strategy, mem_fraction_static=self.config.mem_fraction_static,
                           max_running_requests=self.config.max_running_requests)
 
     async def _event(self, kind: str, message: str, **data: object) -> None:
         data.pop("since", None)
         event = Event(kind=kind, message=message, source=self.worker, data=data)
-        await self.r.xadd(self.k.events, {"e": event.to_json()}, maxlen=keys.EVENTS_MAXLEN, approximate=True)
+        log.info("%s: %s", kind, message)
+        try:
+            await self.r.xadd(self.k.events, {"e": event.to_json()}, maxlen=keys.EVENTS_MAXLEN, approximate=True)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not record the %s event in Redis: %s", kind, exc)
+
+    async def _publish(self) -> None:
+        """Publish the status record now; a Redis outage must not stop the server's life cycle."""
+        try:
+            await self.publisher.publish()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not publish status: %s", exc)
 
     async def _open_http(self, capacity: int) -> None:
         if self._http is not None:
@@ -242,7 +262,9 @@ class GPUService:
                     log.warning("recovered %d prompt(s) from a worker that stopped renewing its leases",
                                 len(recovered))
                 self._steal_order = await self._queue_order(pattern)
-            except Exception:  # Redis hiccup: keep trying; leases have slack for a missed beat
+            except (redis.RedisError, OSError) as exc:  # Redis hiccup: leases have slack for a missed beat
+                log.warning("lease upkeep failed: %s", exc)
+            except Exception:
                 log.exception("lease upkeep failed")
             await asyncio.sleep(period)
 
@@ -267,6 +289,8 @@ class GPUService:
                     self.metrics = await scrape_metrics(self._http)
                 await self.publisher.publish()
                 await asyncio.to_thread(self.rq_heartbeat)
+            except (redis.RedisError, OSError) as exc:
+                log.warning("status publish failed: %s", exc)
             except Exception:
                 log.exception("status publish failed")
             await asyncio.sleep(self.config.status_interval_s)

@@ -2,7 +2,7 @@
 per GPU with the seed profile), `supervisor run` must find the mamba-bound stall, canary
 `no_buffer`, roll it out and end at 72 slots with ~1.9x the tokens/s, losing and duplicating nothing.
 
-    python bench/bench_seed.py [--gpus 8] [--prompts 6000] [--time-scale 1.5] [--window 4]
+    python bench/bench_seed.py [--gpus 8] [--prompts 4000] [--time-scale 1.5] [--window 4]
 
 Prints before/after fleet tokens/s (server-reported, simulated time), the ratio, time to decide,
 restart downtime, slots per GPU, lost/duplicated counts, and writes the `supervisor report` PNG.
@@ -103,9 +103,10 @@ def exactly_once(fleet: Fleet, n: int) -> tuple[int, int]:
 
 
 def run_seed(tmp: Path, redis_url: str, *, gpus: int, prompts: int, time_scale: float, rollout_batch: int,
-             window_s: float = 3.0, verify_windows: int = 2, png: Path | None = None, say=print) -> dict[str, Any]:
+             window_s: float = 3.0, verify_windows: int = 2, tokens: tuple[int, int] = (200, 400),
+             png: Path | None = None, say=print) -> dict[str, Any]:
     fleet = Fleet(tmp, redis_url, run="seed", gpus=gpus, env=seed_env(time_scale))
-    write_seed_prompts(tmp / "prompts.jsonl", prompts)
+    write_seed_prompts(tmp / "prompts.jsonl", prompts, min_tokens=tokens[0], max_tokens=tokens[1])
     fleet.producer("enqueue", "prompts.jsonl", "--queues", ",".join(f"gpu{g}" for g in range(gpus)))
     sup = None
     try:
@@ -128,7 +129,8 @@ def run_seed(tmp: Path, redis_url: str, *, gpus: int, prompts: int, time_scale: 
             sup.stop()
         fleet.stop_all()
     lost, duplicated = exactly_once(fleet, prompts)
-    decision = sup.events("decision")[0]
+    # The canary decision (decisions without "windows" are notes such as "ETA unknown yet").
+    decision = next(e for e in sup.events("decision") if "windows" in e.data)
     restarted = sup.events("restarted")
     return {
         "gpus": gpus, "prompts": prompts, "time_scale": time_scale,
@@ -150,7 +152,10 @@ def run_seed(tmp: Path, redis_url: str, *, gpus: int, prompts: int, time_scale: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=6000)
+    parser.add_argument("--prompts", type=int, default=4000)
+    # Long generations, as in the seed run (training completions); each admission costs a prefill
+    # batch, so short ones dilute the gain of more slots with prefill churn.
+    parser.add_argument("--tokens", type=int, nargs=2, default=(400, 800), metavar=("MIN", "MAX"))
     # 8 workers + 8 simulators share this box's 2 cores: at a higher time scale the workers cannot keep
     # 8 x 72 requests in flight (the supervisor rightly calls them client-bound) and the figure drops.
     parser.add_argument("--time-scale", type=float, default=1.5, help="simulated seconds per wall second")
@@ -164,7 +169,7 @@ def main() -> int:
     with PrivateRedis() as redis_, tempfile.TemporaryDirectory(prefix="bench-seed-") as tmp:
         res = run_seed(Path(tmp), redis_.url, gpus=args.gpus, prompts=args.prompts, time_scale=args.time_scale,
                        rollout_batch=args.rollout_batch, window_s=args.window, verify_windows=args.verify_windows,
-                       png=args.png)
+                       tokens=tuple(args.tokens), png=args.png)
     print(res.pop("supervisor_log"))
     dt = res["downtime_s"]
     print(f"""

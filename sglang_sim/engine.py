@@ -173,6 +173,14 @@ class Rank:
             return
         while True:
             batch = self._admit()
+            if batch and self.running and min(r.arrival_model for r in batch) > self.t:
+                # The batch arrived after this rank's clock: the GPU did not sit idle waiting for it,
+                # it kept decoding, and the prefill follows the step in progress. (Jumping the clock
+                # to the arrival would idle every running request for up to a step per admission.)
+                self.waiting.extendleft(reversed(batch))
+                step = profile.decode_step_s(len(self.running))
+                self._decode(math.ceil((min(r.arrival_model for r in batch) - self.t) / step))
+                continue
             if batch:
                 new_tokens = sum(r.prompt_tokens + r.generated - r.cached_tokens for r in batch)
                 self.t = max(self.t, min(r.arrival_model for r in batch))
@@ -210,26 +218,31 @@ class Rank:
                 self.last_log_t, self.last_log_tokens = self.t, self.gen_tokens
                 return
             self.idle_since = None
-            self._retract()
-            step = profile.decode_step_s(len(self.running))
-            fit = int((now - self.t) / step)
+            fit = int((now - self.t) / profile.decode_step_s(len(self.running)))
             if fit <= 0:
                 return
-            interval = self.engine.cfg.decode_log_interval
-            to_log = interval - self.decode_steps % interval
-            room = max(1, (self.tokens - self.used_tokens()) // len(self.running))
-            k = min(fit, min(r.remaining for r in self.running), to_log, room)
-            k = max(k, 1)
-            self.t += k * step
-            self.decode_steps += k
-            for r in self.running:
-                r.generated += k
-                r.changed.set()
-            self.gen_tokens += k * len(self.running)
-            engine.metrics.generation_tokens += k * sum(1 for r in self.running if not r.internal)
-            if self.decode_steps % interval == 0:
-                self._decode_log()
-            self._retire(engine)
+            self._decode(fit)
+
+    def _decode(self, steps: int) -> None:
+        """Up to `steps` decode steps, stopping early at a finish, a log line or a full KV pool."""
+        engine, profile = self.engine, self.engine.cfg.profile
+        self._retract()
+        step = profile.decode_step_s(len(self.running))
+        interval = self.engine.cfg.decode_log_interval
+        to_log = interval - self.decode_steps % interval
+        room = max(1, (self.tokens - self.used_tokens()) // len(self.running))
+        k = min(steps, min(r.remaining for r in self.running), to_log, room)
+        k = max(k, 1)
+        self.t += k * step
+        self.decode_steps += k
+        for r in self.running:
+            r.generated += k
+            r.changed.set()
+        self.gen_tokens += k * len(self.running)
+        engine.metrics.generation_tokens += k * sum(1 for r in self.running if not r.internal)
+        if self.decode_steps % interval == 0:
+            self._decode_log()
+        self._retire(engine)
 
     def _retract(self) -> None:
         """Free KV when the next step would overflow it: newest requests go back to the queue head."""

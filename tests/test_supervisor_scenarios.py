@@ -19,15 +19,18 @@ FAST = ("--window", "2", "--windows", "3", "--sample", "0.5", "--restart-cost", 
 
 
 def test_seed_scenario_mamba_bound_fleet_moves_to_no_buffer(tmp_path, redis_url):
-    # Moderate request rate: on a 2-core box a faster one leaves the workers short of 72 in flight.
-    res = run_seed(tmp_path, redis_url, gpus=2, prompts=1200, time_scale=4, rollout_batch=1, tokens=(300, 600))
+    # Long generations, as in the seed run: every admission costs a prefill batch, and with short ones
+    # that churn eats into the gain of more slots (the simulator's own ceiling is ~x1.9). Three
+    # verification windows average out the noise of a shared 2-core box.
+    res = run_seed(tmp_path, redis_url, gpus=2, prompts=900, time_scale=5, rollout_batch=1, tokens=(500, 900),
+                   verify_windows=3)
     log = res["supervisor_log"]
     assert res["windows_to_decide"] <= 3, log
     assert res["slots_before"] == [37] and res["slots_after"] == [72], log
     assert res["strategies_after"] == ["no_buffer"]
     assert res["ratio"] >= 1.8, log
     assert res["restarts"] == 2 and res["rollbacks"] == 0
-    assert res["lost"] == 0 and res["duplicated"] == 0 and res["succeeded"] == 1200
+    assert res["lost"] == 0 and res["duplicated"] == 0 and res["succeeded"] == 900
 
 
 def start(tmp_path, redis_url, *, gpus: int, prompts: int, env: dict[str, str], args: tuple[str, ...] = FAST,

@@ -187,7 +187,7 @@ class Autopilot:
         eta = report.eta_s
         if eta is None:
             self._note("fleet", "eta-unknown", "decision",
-                       "stalled, but the work left cannot be estimated yet (no prompt finished)")
+                       "stalled, but the work left cannot be estimated yet (no tokens generated yet)")
             return
         saved = eta * (1 - 1 / prop.ratio)
         cost = self.s.restart_cost_s * self.s.worth_factor

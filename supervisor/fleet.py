@@ -38,16 +38,25 @@ class FleetSnapshot:
         return sum(self.backlog.values())
 
     def eta_s(self) -> float | None:
-        """Seconds until the backlog is done at the recent completion rate, None when unknown."""
+        """Seconds until the backlog is done at the fleet's current tokens/s, None when unknown.
+
+        Tokens per prompt come from the prompts that finished; before any has, from what the prompts
+        in flight have generated so far, a lower bound (they are not done), so the ETA is one too."""
         done = self.stats.get("succeeded", 0) + self.stats.get("failed", 0)
         tokens = self.stats.get("completion_tokens", 0)
         remaining = self.total_backlog + self.in_flight
         if remaining == 0:
             return 0.0
-        if not done or not tokens or self.tokens_per_s <= 0:
+        if self.tokens_per_s <= 0:
             return None
-        prompts_per_s = self.tokens_per_s / (tokens / done)
-        return remaining / prompts_per_s
+        if done and tokens:
+            per_prompt = tokens / done
+        else:
+            generated = sum(w.metrics.generation_tokens_total or 0 for w in self.workers)
+            if not generated or not self.in_flight:
+                return None
+            per_prompt = generated / self.in_flight
+        return remaining * per_prompt / self.tokens_per_s
 
     def to_dict(self) -> dict[str, Any]:
         return {"ts": self.ts, "tokens_per_s": round(self.tokens_per_s, 1), "in_flight": self.in_flight,

@@ -16,6 +16,7 @@ import logging
 import re
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 
 import httpx
@@ -61,6 +62,7 @@ class GPUService:
         self.publisher = StatusPublisher(client, self.k, snapshot=self.snapshot)
         self.stop_requested = asyncio.Event()
         self._restarting: dict | None = None  # set between a spec-driven stop and the next start
+        self._generated: deque[tuple[float, float]] = deque()  # (monotonic s, generation_tokens_total)
 
     # --- entry point ----------------------------------------------------------------------------
     async def run(self, *, burst: bool = False) -> int:
@@ -287,6 +289,7 @@ class GPUService:
             try:
                 if self._http is not None and self.server.running:
                     self.metrics = await scrape_metrics(self._http)
+                    self._note_generated(self.metrics.generation_tokens_total)
                 await self.publisher.publish()
                 await asyncio.to_thread(self.rq_heartbeat)
             except (redis.RedisError, OSError) as exc:
@@ -295,11 +298,29 @@ class GPUService:
                 log.exception("status publish failed")
             await asyncio.sleep(self.config.status_interval_s)
 
+    def _note_generated(self, total: float | None) -> None:
+        """Keep ~10 s of the server's generation_tokens_total counter: its slope is the tokens/s the
+        GPU produces, smooth and known before the first prompt finishes."""
+        now = time.monotonic()
+        if total is None or (self._generated and total < self._generated[-1][1]):
+            self._generated.clear()  # no counter, or a new server process: start over
+        if total is not None:
+            self._generated.append((now, total))
+        while len(self._generated) > 2 and self._generated[0][0] < now - 10.0:
+            self._generated.popleft()
+
+    def tokens_per_s(self) -> float:
+        if len(self._generated) >= 2:
+            (t0, n0), (t1, n1) = self._generated[0], self._generated[-1]
+            if t1 > t0:
+                return (n1 - n0) / (t1 - t0)
+        return self.dispatcher.tokens_per_s()  # servers without the counter: completions over time
+
     def snapshot(self) -> WorkerStatus:
         return WorkerStatus(
             worker=self.worker, host=HOST, queue=self.queue, gpu=self.gpu, state=self.state,
             server_url=self.server.url, strategy=self.server.spec.strategy, server_flags=self.server.flags,
             generation=self.server.spec.generation, effective_max=self.server.capacity,
             in_flight=self.dispatcher.in_flight, done=self.dispatcher.done, failed=self.dispatcher.failed,
-            tokens_per_s=round(self.dispatcher.tokens_per_s(), 1), metrics=self.metrics, message=self.message)
+            tokens_per_s=round(self.tokens_per_s(), 1), metrics=self.metrics, message=self.message)
 

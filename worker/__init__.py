@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import sys
 from typing import Any
 
@@ -33,6 +35,12 @@ class GPUWorker(BaseWorker):
     def __init__(self, queues: Any, *args: Any, **kwargs: Any) -> None:
         # Jobs are JSON whatever `rq worker -S` says: pickle would let Redis writers run code here.
         kwargs["serializer"] = OrjsonSerializer
+        if not kwargs.get("name") and not args:
+            # Readable and unique among live workers (a fixed --name would block a restart after a
+            # kill -9 for minutes): host, queue and pid, e.g. "gpuhost-3.gpu0.41234".
+            first = queues[0] if isinstance(queues, list | tuple) else queues
+            queue = first if isinstance(first, str) else getattr(first, "name", "worker")
+            kwargs["name"] = f"{socket.gethostname()}.{queue}.{os.getpid()}"
         super().__init__(queues, *args, **kwargs)
 
     def work(self, burst: bool = False, logging_level: str | None = "INFO", date_format: str = "%H:%M:%S",

@@ -125,8 +125,9 @@ class Config:
 
 
 def gpu_index_for_queue(queue: str) -> int | None:
-    """`gpu3` -> 3; a queue not named after a GPU -> None."""
-    m = re.fullmatch(r"[A-Za-z_-]*?(\d+)", queue)
+    """The GPU a queue's trailing number names: `gpu3` -> 3, `jobA.gpu12` -> 12; None without one.
+    A prefix lets several runs share one Redis without sharing queues."""
+    m = re.fullmatch(r".*?(\d+)", queue)
     return int(m.group(1)) if m else None
 
 

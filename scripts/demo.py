@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -75,6 +76,8 @@ def main() -> int:
         "REDIS_URL": url,
         "RQ_WORKER_CLASS": "worker.GPUWorker",
         "BATCHFLEET_RUN": run,
+        # Queues of its own (demo-...gpuN): a Redis shared with other work keeps its queues to itself.
+        "BATCHFLEET_QUEUE_PATTERN": re.escape(run) + r"\.gpu\d+",
         "BATCHFLEET_STATE_DIR": str(workdir),
         "BATCHFLEET_SGLANG_CMD": f"{sys.executable} -m sglang_sim",
         "BATCHFLEET_MODEL_PATH": f"sim/{args.profile}",
@@ -85,11 +88,11 @@ def main() -> int:
         "SGLANG_SIM_TIME_SCALE": str(args.time_scale),
         "SGLANG_SIM_GPU_DIR": str(workdir / "gpus"),
     }
-    queues = ",".join(f"gpu{i}" for i in range(args.gpus))
+    queues = ",".join(f"{run}.gpu{i}" for i in range(args.gpus))
     procs: list[subprocess.Popen[bytes]] = []
     t0 = time.monotonic()
     try:
-        console.rule(f"1. enqueue {args.prompts.name} onto {queues}")
+        console.rule(f"1. enqueue {args.prompts.name} onto {args.gpus} queues ({run}.gpu0 ...)")
         enq = subprocess.run([str(BIN / "producer"), "enqueue", str(args.prompts), "--queues", queues,
                               "--rejects", str(workdir / "rejects.jsonl")], env=env, check=False)
         if enq.returncode not in (0, 1):
@@ -97,12 +100,12 @@ def main() -> int:
         console.rule(f"2. {args.gpus} simulated GPUs ({args.profile}, x{args.time_scale:g} time) + workers")
         for i in range(args.gpus):
             log = (workdir / f"worker-gpu{i}.log").open("wb")
-            procs.append(subprocess.Popen([str(BIN / "rq"), "worker", f"gpu{i}"], env=env, stdout=log,
+            procs.append(subprocess.Popen([str(BIN / "rq"), "worker", f"{run}.gpu{i}"], env=env, stdout=log,
                                           stderr=subprocess.STDOUT))
         collector = subprocess.Popen([str(BIN / "producer"), "collect", "--follow"], env=env,
                                      stdout=subprocess.DEVNULL, stderr=(workdir / "collector.log").open("wb"))
         procs.append(collector)
-        watch(redis.Redis.from_url(url), Keys(run), args.timeout, procs)
+        watch(redis.Redis.from_url(url), Keys(run), env["BATCHFLEET_QUEUE_PATTERN"], args.timeout, procs)
         elapsed = time.monotonic() - t0
     finally:
         console.rule("3. stop workers (SIGTERM: finish or hand back in-flight, stop servers)")
@@ -138,16 +141,16 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def watch(r: redis.Redis, k: Keys, timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> None:
+def watch(r: redis.Redis, k: Keys, pattern: str, timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> None:
     """The supervisor's view until every accepted prompt has an outcome."""
     deadline = time.monotonic() + timeout_s
     enqueued = int(r.hget(k.stats, "enqueued") or 0)
     tty = console.is_terminal
     last_print = 0.0
-    with Live(render(read_fleet(r, k)), console=console, refresh_per_second=2, transient=False) if tty \
-            else _NoLive() as live:
+    first = render(read_fleet(r, k, queue_pattern=pattern))
+    with Live(first, console=console, refresh_per_second=2, transient=False) if tty else _NoLive() as live:
         while time.monotonic() < deadline:
-            snap = read_fleet(r, k)
+            snap = read_fleet(r, k, queue_pattern=pattern)
             finished = snap.stats.get("succeeded", 0) + snap.stats.get("failed", 0)
             if tty:
                 live.update(render(snap))

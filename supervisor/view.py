@@ -24,6 +24,13 @@ def _eta(s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _queues(backlog: dict[str, int]) -> str:
+    """`q:n` per queue, without a prefix all of them share (`jobA.gpu0` -> `gpu0`)."""
+    prefixes = {q.rpartition(".")[0] for q in backlog}
+    shared = prefixes.pop() if len(prefixes) == 1 else ""
+    return ", ".join(f"{q[len(shared) + 1:] if shared else q}:{n}" for q, n in backlog.items())
+
+
 def render(snap: FleetSnapshot, *, classes: dict[str, str] | None = None) -> Group:
     table = Table(title="batchfleet", title_justify="left", expand=False, pad_edge=False)
     # "tok/s" is what the worker measured (wall clock); "gen" is the server's own sglang:gen_throughput.
@@ -50,7 +57,7 @@ def render(snap: FleetSnapshot, *, classes: dict[str, str] | None = None) -> Gro
     footer = Text(
         f"fleet {snap.tokens_per_s:,.0f} tok/s (servers: {gen:,.0f} gen) | in flight {snap.in_flight} "
         f"| backlog {snap.total_backlog} "
-        f"({', '.join(f'{q}:{n}' for q, n in snap.backlog.items()) or 'no queues'}) | done {s.get('succeeded', 0)} "
+        f"({_queues(snap.backlog) or 'no queues'}) | done {s.get('succeeded', 0)} "
         f"| failed {s.get('failed', 0)} | ETA {_eta(snap.eta_s())}")
     parts: list = [table, footer]
     for e in snap.events[-8:]:

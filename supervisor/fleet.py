@@ -10,7 +10,6 @@ from typing import Any
 
 import redis
 
-from batchfleet import keys
 from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, Keys
 from batchfleet.records import Event, WorkerStatus
 
@@ -92,7 +91,3 @@ def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", event
         ts=time.time(), workers=workers, backlog=dict(zip(queues, lengths, strict=True)),
         stats={kk.decode(): int(v) for kk, v in stats.items()},
         events=[Event.from_json(f[b"e"]) for _, f in reversed(raw_events)])
-
-
-def stale(status: WorkerStatus, now: float | None = None) -> bool:
-    return (now or time.time()) - status.ts > keys.STATUS_TTL_S / 2

@@ -46,7 +46,3 @@ class Slots:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
-
-    async def wait_idle(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.in_use == 0)

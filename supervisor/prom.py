@@ -19,7 +19,7 @@ class FleetMetrics:
         self.registry = registry or CollectorRegistry()
         g = lambda name, doc, labels=(): Gauge(PREFIX + name, doc, labels, registry=self.registry)  # noqa: E731
         self.fleet_tps = g("fleet_tokens_per_s", "Fleet generation tokens/s as the servers report it")
-        self.fleet_wall_tps = g("fleet_wall_tokens_per_s", "Fleet completion tokens/s measured by the workers")
+        self.fleet_wall_tps = g("fleet_wall_tokens_per_s", "Fleet tokens/s measured by the workers (wall clock)")
         self.backlog = g("backlog_prompts", "Prompts waiting in Redis", ("queue",))
         self.eta = g("eta_seconds", "Estimated seconds until the backlog is done (-1: unknown)")
         self.in_flight = g("gpu_in_flight", "Prompts in flight", ("worker", "gpu"))

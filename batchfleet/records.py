@@ -37,13 +37,18 @@ class Prompt:
     url: str  # one of ENDPOINTS
     body: dict[str, Any]  # the OpenAI request body, sent as is
     src: str = ""  # "file:line", for messages
+    run: str = ""  # the run it belongs to: its result goes to that run's stream, so a worker checks it
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cid": self.cid, "seq": self.seq, "url": self.url, "body": self.body, "src": self.src}
+        d = {"cid": self.cid, "seq": self.seq, "url": self.url, "body": self.body, "src": self.src}
+        if self.run:
+            d["run"] = self.run
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Prompt:
-        return cls(cid=d["cid"], seq=int(d["seq"]), url=d["url"], body=d["body"], src=d.get("src", ""))
+        return cls(cid=d["cid"], seq=int(d["seq"]), url=d["url"], body=d["body"], src=d.get("src", ""),
+                   run=d.get("run", ""))
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,7 +99,7 @@ class Enqueuer:
                 jid = job_id_for(self.run, cid)
                 qi = self.rr % nq
                 self.rr += 1
-                data = orjson.dumps([GENERATE, None, [Prompt(cid, own, url, body, src).to_dict()], {}])
+                data = orjson.dumps([GENERATE, None, [Prompt(cid, own, url, body, src, self.run).to_dict()], {}])
                 job_keys[qi].append(Keys.job(jid))
                 blobs[qi].append(b"%s\0generate(%s)" % (data, cid.encode()))
                 rows.append((cid, own, jid, src))

@@ -57,7 +57,7 @@ def test_jobs_are_rq_jobs(cli: Cli, r: redis.Redis, redis_url: str, tmp_path: Pa
     assert job.origin == "gpu1" and job.get_status() == "queued"
     assert (job.result_ttl, job.failure_ttl, job.timeout) == (0, FAILURE_TTL_S, 3600)
     (prompt,) = job.args
-    assert prompt == {"cid": "b", "seq": 1, "url": "/v1/completions", "src": f"{f}:2",
+    assert prompt == {"cid": "b", "seq": 1, "url": "/v1/completions", "src": f"{f}:2", "run": "t",
                       "body": {"prompt": "Once upon", "temperature": 0.5, "max_tokens": 64, "model": "default"}}
     # lean: exactly the fields the contract names
     assert set(r.hkeys(Keys.job(jid))) == {b"created_at", b"enqueued_at", b"data", b"origin", b"description",

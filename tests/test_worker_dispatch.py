@@ -127,3 +127,18 @@ def test_job_naming_another_function_is_refused_and_never_run(r, redis_url):
     assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [bad]
     refused = [x for x in results(r).values() if not x.ok]
     assert refused[0].error["code"] == "refused" and "platform.node" in refused[0].error["message"]
+
+
+def test_a_job_of_another_run_is_refused_loudly_not_misfiled(r, redis_url):
+    q = Queue("gpu0", connection=r, serializer=OrjsonSerializer)
+    other = q.enqueue("batchfleet.jobs.generate", {"cid": "x", "seq": 0, "url": "/v1/completions",
+                                                   "body": {"prompt": "p"}, "run": "someone-else"}, result_ttl=0)
+    mine = q.enqueue("batchfleet.jobs.generate", {"cid": "y", "seq": 1, "url": "/v1/completions",
+                                                  "body": {"prompt": "p"}, "run": "t"}, result_ttl=0)
+    backend = Backend()
+    run_burst(redis_url, backend, capacity=2)
+    assert backend.calls == ["y"]
+    assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [other.id]
+    assert not r.exists(f"rq:job:{mine.id}")
+    refused = [x for x in results(r).values() if not x.ok]
+    assert "run 'someone-else'" in refused[0].error["message"]

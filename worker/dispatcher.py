@@ -155,9 +155,15 @@ class Dispatcher:
         if len(args) != 1 or kwargs or not isinstance(args[0], dict):
             raise JobRefused("a batchfleet job takes exactly one prompt argument")
         try:
-            return Prompt.from_dict(args[0])
+            prompt = Prompt.from_dict(args[0])
         except (KeyError, TypeError, ValueError) as exc:
             raise JobRefused(f"malformed prompt record: {exc}") from exc
+        if prompt.run and prompt.run != self.config.run:
+            # Its result would land in this run's stream and never reach its own export. Loud, and
+            # recoverable: `rq requeue` once workers of run {prompt.run} serve this queue.
+            raise JobRefused(f"job of run {prompt.run!r} on a queue served by run {self.config.run!r}: "
+                             "give each run queues of its own")
+        return prompt
 
     def _backoff_s(self, attempt: int) -> float:
         base = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (attempt - 1))

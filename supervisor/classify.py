@@ -142,7 +142,13 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, th: Thresholds) -> 
         if retracted and retracted[-1] > retracted[0]:
             why.append(f"{retracted[-1] - retracted[0]:.0f} request(s) retracted")
         return KV_BOUND, why
+    queued = _mean([s.metrics.queued for s in serving])
     if running < cap - max(1.0, (1 - th.pinned) * cap):  # one slot refilling is not a stall on small servers
+        if queued is not None and queued >= 1:
+            # Below its cap with requests of ours waiting inside it: the server will not admit them
+            # (its KV pool's admission budget is spent), so our side is not what holds it back.
+            return KV_BOUND, [f"running {running:.0f} of {cap} with {queued:.0f} waiting in the server: its KV "
+                              f"pool admits no more (full-KV usage up to {kv_peak:.0%})"]
         in_flight = statistics.fmean(s.in_flight for s in serving)
         why = [f"running {running:.0f} of {cap} while Redis holds {backlog} prompt(s): our side is slow"]
         if in_flight < cap - max(1.0, (1 - th.pinned) * cap):

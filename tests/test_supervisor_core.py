@@ -16,11 +16,11 @@ from supervisor.ladder import LadderConfig, current_spec, next_rung, spec_key
 def ws(gpu: int, *, in_flight: int = 37, cap: int = 37, running: float | None = None, kv: float = 0.05,
        mamba: float = 0.69, tps: float = 560.0, done: int = 100, tokens: float = 1e6, retracted: float = 0,
        state: str = "serving", generation: int = 0, strategy: str = "default", hit: float = 0.0,
-       flags: list[str] | None = None) -> WorkerStatus:
+       flags: list[str] | None = None, queued: float = 0) -> WorkerStatus:
     return WorkerStatus(
         worker=f"w{gpu}", host="h", queue=f"gpu{gpu}", gpu=gpu, state=state, strategy=strategy, generation=generation,
         effective_max=cap, in_flight=in_flight, done=done, tokens_per_s=tps * 5, server_flags=flags or [],
-        metrics=ServerMetrics(running=in_flight if running is None else running, queued=0, full_kv_usage=kv,
+        metrics=ServerMetrics(running=in_flight if running is None else running, queued=queued, full_kv_usage=kv,
                               mamba_usage=mamba, cache_hit_rate=hit, gen_throughput=tps, retracted=retracted,
                               generation_tokens_total=tokens))
 
@@ -64,6 +64,13 @@ def test_control_classes(kw, backlog, expected):
 def test_retractions_mean_kv_bound_and_no_progress_means_hung():
     assert classes(window(lambda i: [ws(0, done=100 + i, retracted=i)])) == {"w0": "kv-bound"}
     assert classes(window(lambda i: [ws(0)])) == {"w0": "hung"}  # done and tokens frozen while in flight
+
+
+def test_below_cap_with_a_queue_inside_the_server_is_the_servers_kv_not_our_side():
+    # tiny-plain asked for 64: the KV budget admits 48 and 16 of ours wait inside the server.
+    (v,) = classify_window(window(lambda i: [ws(0, cap=64, in_flight=64, running=48, queued=16, kv=0.8,
+                                                done=100 + i)])).servers
+    assert v.cls == "kv-bound" and "waiting in the server" in v.reasons[0]
 
 
 def test_client_bound_blames_our_side():

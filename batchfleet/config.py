@@ -18,15 +18,11 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from .errors import ConfigError
+from .records import STRATEGIES
 
 __all__ = ["STRATEGIES", "Config", "gpu_index_for_queue"]
 
 ENV_PREFIX = "BATCHFLEET_"
-
-# The mamba strategy rungs batchfleet knows, in the order the supervisor climbs them.
-# "default" sends no strategy flag at all (the server's own `auto`); "no_radix" disables the
-# radix cache, which removes the per-request slot overhead altogether.
-STRATEGIES = ("default", "extra_buffer", "extra_buffer_lazy", "no_buffer", "no_radix")
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@
     ├── RetryableError       transient (connection reset, 5xx, 503 queue full): retry with backoff
     ├── PromptError          this prompt can never succeed (HTTP 400, too long): fail it once, keep going
     ├── JobRefused           the job is not ours (function not on the allow-list): fail it, never run it
+    ├── RecordError          a record read from Redis is malformed or not allowed: skip it, keep what you had
     └── ServerError          the SGLang server is unusable: stop taking work, restart the server
         ├── ServerStartError     it did not become ready (exited, out of memory, timed out)
         └── ServerDied           it was ready and then went away or stopped generating
@@ -17,6 +18,7 @@ __all__ = [
     "ConfigError",
     "JobRefused",
     "PromptError",
+    "RecordError",
     "RetryableError",
     "ServerDied",
     "ServerError",
@@ -51,6 +53,11 @@ class PromptError(BatchfleetError):
 
 class JobRefused(BatchfleetError):
     """The job names a function that batchfleet does not run."""
+
+
+class RecordError(BatchfleetError, ValueError):
+    """A record read from Redis (written by another process, maybe another version or a forger) is
+    malformed or asks for something not allowed. Skip it with a warning; never exit on it."""
 
 
 class ServerError(BatchfleetError):

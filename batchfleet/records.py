@@ -12,13 +12,126 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
+from typing import Any, TypeVar
 
 import orjson
 
-__all__ = ["ENDPOINTS", "Event", "Prompt", "Result", "ServerMetrics", "ServerSpec", "WorkerStatus", "job_id_for"]
+from .errors import RecordError
+
+__all__ = [
+    "ENDPOINTS",
+    "STRATEGIES",
+    "Event",
+    "Prompt",
+    "RecordError",
+    "Result",
+    "ServerMetrics",
+    "ServerSpec",
+    "WorkerState",
+    "WorkerStatus",
+    "decode",
+    "job_id_for",
+]
+
+log = logging.getLogger("batchfleet.records")
+
+# The mamba strategy rungs batchfleet knows, in the order the supervisor climbs them.
+# "default" sends no strategy flag at all (the server's own `auto`); "no_radix" disables the
+# radix cache, which removes the per-request slot overhead altogether.
+STRATEGIES = ("default", "extra_buffer", "extra_buffer_lazy", "no_buffer", "no_radix")
+
+# What a ServerSpec may ask of a server: anything outside is refused, whoever wrote it to Redis.
+MEM_FRACTION_RANGE = (0.3, 0.98)
+MAX_RUNNING_RANGE = (1, 4096)
+
+
+class WorkerState(StrEnum):
+    """A worker's server, as its status record says (the values are what travels in JSON)."""
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    RESTARTING = "restarting"
+    DOWN = "down"
+
+
+# --- decoding: records written by another process (maybe another version) ---------------------------
+# A rolling upgrade runs old and new processes side by side, so a record may carry fields this
+# version does not know: they are ignored, with one warning per record type and field set. A field
+# of the wrong type, or a record that is not an object, is a RecordError: the reader decides what to
+# do (skip the record, keep what it had), and never exits on it.
+
+R = TypeVar("R")
+_warned: set[tuple[str, frozenset[str]]] = set()
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is not None:
+        hint = origin
+    if isinstance(hint, type) and issubclass(hint, StrEnum):
+        return isinstance(value, str) and value in {m.value for m in hint}
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type) and hint.__module__ == __name__ and hasattr(hint, "__dataclass_fields__"):
+        return isinstance(value, dict)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def decode(cls: type[R], data: Any) -> R:
+    """Build record `cls` from a decoded JSON object: unknown fields ignored (one warning), known
+    fields type-checked, nested records decoded the same way. Raises RecordError."""
+    if not isinstance(data, dict):
+        raise RecordError(f"{cls.__name__}: not a JSON object ({type(data).__name__})")
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = frozenset(data) - known
+    if unknown and (cls.__name__, unknown) not in _warned:
+        _warned.add((cls.__name__, unknown))
+        log.warning("%s record has field(s) this version does not know, ignored: %s (a newer batchfleet "
+                    "wrote it?)", cls.__name__, ", ".join(sorted(map(str, unknown)))[:200])
+    values: dict[str, Any] = {}
+    for name in known & set(data):
+        value, hint = data[name], hints[name]
+        if not _type_ok(value, hint):
+            raise RecordError(f"{cls.__name__}.{name}: unexpected value {orjson.dumps(value).decode()[:60]}")
+        sub = next((h for h in (hint, *typing.get_args(hint)) if isinstance(h, type)
+                    and h.__module__ == __name__ and hasattr(h, "__dataclass_fields__")), None)
+        if sub is not None and isinstance(value, dict):
+            value = decode(sub, value)
+        elif isinstance(hint, type) and issubclass(hint, StrEnum):
+            value = hint(value)
+        values[name] = value
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:  # a required field missing, or __post_init__ refused it
+        raise RecordError(f"{cls.__name__}: {exc}") from None
+
+
+def loads(cls: type[R], raw: bytes | str) -> R:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RecordError(f"{cls.__name__}: not JSON ({exc})") from None
+    return decode(cls, data)
 
 # The OpenAI batch `url`s batchfleet serves, each the same path on an SGLang server.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -47,8 +160,7 @@ class Prompt:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Prompt:
-        return cls(cid=d["cid"], seq=int(d["seq"]), url=d["url"], body=d["body"], src=d.get("src", ""),
-                   run=d.get("run", ""))
+        return decode(cls, d)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +189,7 @@ class Result:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Result:
-        return cls(**orjson.loads(raw))
+        return loads(cls, raw)
 
     def batch_output_line(self) -> dict[str, Any]:
         """The OpenAI batch output shape: one of these per prompt in the export."""
@@ -110,7 +222,7 @@ class WorkerStatus:
     host: str
     queue: str
     gpu: int | None
-    state: str  # starting | serving | draining | restarting | down
+    state: WorkerState
     server_url: str = ""
     strategy: str = "default"
     server_flags: list[str] = field(default_factory=list)
@@ -129,9 +241,7 @@ class WorkerStatus:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> WorkerStatus:
-        d = orjson.loads(raw)
-        d["metrics"] = ServerMetrics(**d.get("metrics") or {})
-        return cls(**d)
+        return loads(cls, raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,16 +251,29 @@ class ServerSpec:
     is free, start, rediscover capacity, resume)."""
 
     generation: int = 0
-    strategy: str = "default"  # one of config.STRATEGIES
+    strategy: str = "default"  # one of STRATEGIES
     mem_fraction_static: float | None = None
     max_running_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        """The allow-list: a spec is data from Redis, so only values a server can sensibly run pass."""
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if self.generation < 0:
+            raise ValueError(f"generation {self.generation} is negative")
+        lo, hi = MEM_FRACTION_RANGE
+        if self.mem_fraction_static is not None and not lo <= self.mem_fraction_static <= hi:
+            raise ValueError(f"mem_fraction_static {self.mem_fraction_static} is outside [{lo}, {hi}]")
+        lo_n, hi_n = MAX_RUNNING_RANGE
+        if self.max_running_requests is not None and not lo_n <= self.max_running_requests <= hi_n:
+            raise ValueError(f"max_running_requests {self.max_running_requests} is outside [{lo_n}, {hi_n}]")
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> ServerSpec:
-        return cls(**orjson.loads(raw))
+        return loads(cls, raw)
 
     def describe(self) -> str:
         parts = [self.strategy]
@@ -174,4 +297,4 @@ class Event:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Event:
-        return cls(**orjson.loads(raw))
+        return loads(cls, raw)

@@ -3,6 +3,7 @@ and the run's counters. The supervisor never talks to a server; workers may be o
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -11,9 +12,20 @@ from typing import Any
 import redis
 
 from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, Keys
-from batchfleet.records import Event, WorkerStatus
+from batchfleet.records import Event, RecordError, WorkerStatus
 
 __all__ = ["FleetSnapshot", "read_fleet"]
+
+log = logging.getLogger("batchfleet.supervisor")
+_said: set[str] = set()
+
+
+def skip_record(what: str, exc: Exception) -> None:
+    """A malformed record is skipped, said once per distinct problem: never a reason to exit."""
+    text = f"{what}: {exc}"
+    if text not in _said:
+        _said.add(text)
+        log.warning("skipping a malformed record (%s)", text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +95,30 @@ def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", event
         if raw is None:
             gone.append(name)  # its record expired: the worker is gone
             continue
-        workers.append(WorkerStatus.from_json(raw))
+        try:
+            workers.append(WorkerStatus.from_json(raw))
+        except RecordError as exc:
+            skip_record(f"status of {name}", exc)
     if gone:
         r.srem(k.workers, *gone)
     workers.sort(key=lambda w: (w.gpu if w.gpu is not None else 1_000_000, w.host, w.worker))
+    counters: dict[str, int] = {}
+    for kk, v in stats.items():
+        try:
+            counters[kk.decode()] = int(float(v))
+        except ValueError as exc:
+            skip_record(f"counter {kk!r}", exc)
     return FleetSnapshot(
         ts=time.time(), workers=workers, backlog=dict(zip(queues, lengths, strict=True)),
-        stats={kk.decode(): int(v) for kk, v in stats.items()},
-        events=[Event.from_json(f[b"e"]) for _, f in reversed(raw_events)])
+        stats=counters, events=read_events(raw_events))
+
+
+def read_events(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Event]:
+    """Events from XREVRANGE entries, oldest first; malformed ones skipped."""
+    out = []
+    for eid, fields in reversed(entries):
+        try:
+            out.append(Event.from_json(fields[b"e"]))
+        except (KeyError, RecordError) as exc:
+            skip_record(f"event {eid!r}", exc)
+    return out

@@ -14,6 +14,8 @@ import redis
 from batchfleet.keys import Keys
 from batchfleet.records import Event
 
+from .fleet import read_events
+
 __all__ = ["Summary", "load", "plot", "summarize"]
 
 MARKED = {"decision": "tab:orange", "canary": "tab:green", "rollback": "tab:red", "rolled_out": "tab:blue",
@@ -48,8 +50,7 @@ class Summary:
 
 def load(r: redis.Redis, k: Keys) -> tuple[list[dict[str, Any]], list[Event]]:
     samples = [orjson.loads(f[b"s"]) for _, f in r.xrange(k.history)]
-    events = [Event.from_json(f[b"e"]) for _, f in r.xrange(k.events)]
-    return samples, events
+    return samples, read_events(r.xrevrange(k.events))
 
 
 def summarize(samples: list[dict[str, Any]], events: list[Event]) -> Summary:

@@ -12,11 +12,11 @@ import redis
 
 from batchfleet import keys
 from batchfleet.keys import Keys
-from batchfleet.records import Event, ServerSpec
+from batchfleet.records import Event, RecordError, ServerSpec
 
 from .autopilot import Autopilot, Control, Emit, SetFleet, SetOverride, Settings, State
 from .classify import Thresholds, WindowReport, classify_window, server_tokens_per_s
-from .fleet import FleetSnapshot, read_fleet
+from .fleet import FleetSnapshot, read_fleet, skip_record
 from .ladder import LadderConfig, current_spec
 from .prom import FleetMetrics
 
@@ -26,9 +26,16 @@ WORKER_FIELD = Keys.control_worker("")
 
 
 def read_control(r: redis.Redis, k: Keys, snap: FleetSnapshot) -> Control:
+    """The control hash; a field that does not hold a valid spec is ignored (workers refuse it too)."""
     raw = {f.decode(): v for f, v in r.hgetall(k.control).items()}
-    fleet = ServerSpec.from_json(raw[Keys.CONTROL_FLEET]) if Keys.CONTROL_FLEET in raw else None
-    overrides = {f[len(WORKER_FIELD):]: ServerSpec.from_json(v) for f, v in raw.items() if f.startswith(WORKER_FIELD)}
+    specs: dict[str, ServerSpec] = {}
+    for name, value in raw.items():
+        try:
+            specs[name] = ServerSpec.from_json(value)
+        except RecordError as exc:
+            skip_record(f"control field {name!r}", exc)
+    fleet = specs.get(Keys.CONTROL_FLEET)
+    overrides = {f[len(WORKER_FIELD):]: v for f, v in specs.items() if f.startswith(WORKER_FIELD)}
     return Control(fleet=fleet, overrides=overrides, current=current_spec(fleet, snap.workers),
                    seen_generation=max((w.generation for w in snap.workers), default=0))
 

@@ -27,7 +27,7 @@ from batchfleet import keys, sglang
 from batchfleet.config import Config
 from batchfleet.errors import ConfigError, ServerDied, ServerStartError
 from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, Keys
-from batchfleet.records import Event, Prompt, ServerMetrics, ServerSpec, WorkerStatus
+from batchfleet.records import Event, Prompt, RecordError, ServerMetrics, ServerSpec, WorkerStatus
 
 from .dispatcher import Dispatcher
 from .gpu import wait_gpu_free
@@ -62,6 +62,7 @@ class GPUService:
         self.publisher = StatusPublisher(client, self.k, snapshot=self.snapshot)
         self.stop_requested = asyncio.Event()
         self._restarting: dict | None = None  # set between a spec-driven stop and the next start
+        self._refused_spec: bytes | None = None  # the last spec refused from Redis (said once)
         self._generated: deque[tuple[float, float]] = deque()  # (monotonic s, generation_tokens_total)
 
     # --- entry point ----------------------------------------------------------------------------
@@ -213,9 +214,18 @@ class GPUService:
             # Redis away: keep serving what runs now (or the configuration at first start).
             log.warning("cannot read the desired server spec (%s); keeping the current one", exc)
             return self.server.spec if self.server.running else self._configured_spec()
-        raw = mine or fleet
-        if raw:
-            return ServerSpec.from_json(raw)
+        for field, raw in (("override", mine), ("fleet", fleet)):
+            if not raw:
+                continue
+            try:
+                return ServerSpec.from_json(raw)
+            except RecordError as exc:
+                # Data, not an instruction: refuse it (once per value), keep what runs now.
+                if raw != self._refused_spec:
+                    self._refused_spec = raw
+                    await self._event("spec_refused", f"gpu{self.gpu}: refused the {field} server spec in "
+                                      f"Redis: {exc}; keeping {self.server.spec.describe()}", reason=str(exc))
+                return self.server.spec if self.server.running else self._configured_spec()
         return self._configured_spec()
 
     def _configured_spec(self) -> ServerSpec:

@@ -1,0 +1,162 @@
+"""What a prompt's request may be: the one definition the producer (on every input line) and the
+worker (on every job it claims) both apply, so a job written into Redis by anyone else is held to
+exactly the rules a line of the input file is.
+
+A request is `(url, body)`: `url` is one of `records.ENDPOINTS`, a path relative to the worker's own
+server (never an absolute URL: the server's API key must never be sent anywhere else), and `body`
+is the OpenAI request as sent, with canonical key names only:
+
+- `/v1/chat/completions`: `messages` (a non-empty list of `{role, content}`), no `prompt`;
+- `/v1/completions`: `prompt` (a string, or a list of token ids), no `messages`;
+- besides those, only `BODY_KEYS` (model, user, tools, ...) and `SAMPLING_KEYS` (OpenAI's sampling
+  names, each type-checked); no `stream`;
+- at most `MAX_BODY_BYTES` of JSON.
+
+Plain dict work, no schema library: the producer runs this on hundreds of thousands of lines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from .records import ENDPOINTS
+
+__all__ = [
+    "ALIASES",
+    "BODY_KEYS",
+    "MAX_BODY_BYTES",
+    "SAMPLING_KEYS",
+    "InvalidPrompt",
+    "check_body",
+    "check_messages",
+    "check_prompt",
+    "check_sampling",
+]
+
+CHAT, COMPLETIONS = ENDPOINTS
+
+# A prompt's request body as JSON (and an input line) may not be larger than this. 10 MB prompts are
+# a real use; a job that asks for more is refused rather than sent.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class InvalidPrompt(ValueError):
+    """This request cannot be sent to a server; the message says why (a person can act on it)."""
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+
+
+# key -> (type check, what the check wants, for the message)
+_Check = tuple[Callable[[Any], bool], str]
+SAMPLING_KEYS: dict[str, _Check] = {
+    "max_tokens": (lambda v: _int(v) and v > 0, "a positive integer"),
+    "max_completion_tokens": (lambda v: _int(v) and v > 0, "a positive integer"),
+    "min_tokens": (lambda v: _int(v) and v >= 0, "a non-negative integer"),
+    "temperature": (lambda v: _num(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v: _num(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (_int, "an integer (-1: off)"),
+    "min_p": (lambda v: _num(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "frequency_penalty": (_num, "a number"),
+    "presence_penalty": (_num, "a number"),
+    "repetition_penalty": (lambda v: _num(v) and v > 0, "a number > 0"),
+    "stop": (_str_list, "a string or a list of strings"),
+    "stop_token_ids": (lambda v: isinstance(v, list) and all(_int(t) for t in v), "a list of integers"),
+    "seed": (_int, "an integer"),
+    "n": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "logprobs": (lambda v: isinstance(v, bool) or (_int(v) and v >= 0), "true/false (chat) or an integer"),
+    "top_logprobs": (lambda v: _int(v) and v >= 0, "a non-negative integer"),
+    "response_format": (lambda v: isinstance(v, dict), "an object"),
+    "chat_template_kwargs": (lambda v: isinstance(v, dict), "an object"),
+}
+# Accepted in a body besides the sampling keys and the prompt itself: they shape the request.
+BODY_KEYS: dict[str, _Check] = {
+    "model": (lambda v: isinstance(v, str), "a string"),
+    "user": (lambda v: isinstance(v, str), "a string"),
+    "tools": (lambda v: isinstance(v, list), "a list"),
+    "tool_choice": (lambda v: isinstance(v, str | dict), "a string or an object"),
+    "logit_bias": (lambda v: isinstance(v, dict), "an object"),
+}
+# Other spellings an input line may use; a body as sent holds the canonical name only.
+ALIASES = {"max_new_tokens": "max_tokens"}
+
+
+def _shown(value: Any) -> str:
+    return orjson.dumps(value, default=str).decode()[:40]
+
+
+def check_sampling(key: str, value: Any) -> str:
+    """The canonical key name; raises InvalidPrompt for an unknown key or a value of the wrong type."""
+    key = ALIASES.get(key, key)
+    spec = SAMPLING_KEYS.get(key)
+    if spec is None:
+        raise InvalidPrompt(f"unknown sampling key {key!r}")
+    if not spec[0](value):
+        raise InvalidPrompt(f"{key} must be {spec[1]}, got {_shown(value)}")
+    return key
+
+
+def check_messages(v: Any) -> None:
+    if not isinstance(v, list) or not v:
+        raise InvalidPrompt("messages must be a non-empty list")
+    for i, m in enumerate(v):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidPrompt(f"messages[{i}] must be an object with a string 'role'")
+        content = m.get("content")
+        # content may be a list of parts (multimodal) or null on an assistant tool-call turn
+        if not (isinstance(content, str | list) or (content is None and m["role"] == "assistant")):
+            raise InvalidPrompt(f"messages[{i}].content must be a string or a list of parts")
+
+
+def check_prompt(v: Any) -> None:
+    # /v1/completions also takes token ids; a list of strings would mean several prompts: refuse
+    if not (isinstance(v, str) or (isinstance(v, list) and v and all(_int(t) for t in v))):
+        raise InvalidPrompt("prompt must be a string (or a list of token ids)")
+
+
+def check_body(url: Any, body: Any, *, size_bytes: int | None = None) -> None:
+    """Raise InvalidPrompt unless `(url, body)` is a request batchfleet sends to a server as is.
+
+    `size_bytes`: the body's (or its carrier's) encoded size when the caller knows it; else the body
+    is encoded to measure it."""
+    if not isinstance(url, str) or url not in ENDPOINTS:
+        raise InvalidPrompt(f"unknown url {_shown(url)} (want {' or '.join(ENDPOINTS)})")
+    if not isinstance(body, dict):
+        raise InvalidPrompt("body must be an object")
+    if url == CHAT:
+        if "prompt" in body:
+            raise InvalidPrompt("a /v1/chat/completions body takes messages, not prompt")
+        check_messages(body.get("messages"))
+    else:
+        if "messages" in body:
+            raise InvalidPrompt("a /v1/completions body takes prompt, not messages")
+        if "prompt" not in body:
+            raise InvalidPrompt("body has no prompt")
+        check_prompt(body["prompt"])
+    for key, value in body.items():
+        if key in ("messages", "prompt"):
+            continue
+        if key == "stream":
+            raise InvalidPrompt("stream is not supported in a batch")
+        spec = BODY_KEYS.get(key) or SAMPLING_KEYS.get(key)
+        if spec is None:
+            raise InvalidPrompt(f"unknown sampling key {key!r}")
+        if not spec[0](value):
+            raise InvalidPrompt(f"{key} must be {spec[1]}, got {_shown(value)}")
+    size = len(orjson.dumps(body)) if size_bytes is None else size_bytes
+    if size > MAX_BODY_BYTES:
+        raise InvalidPrompt(f"request of {size:,} bytes is larger than the limit of {MAX_BODY_BYTES:,}")

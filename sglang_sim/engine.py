@@ -330,7 +330,7 @@ class Engine:
         if req.internal:
             return
         self.admitted_total += 1
-        self.faults.on_admitted(self.admitted_total, self)
+        self.faults.on_admitted(self.admitted_total, self, req.prompt_words)
 
     def finish_abort(self, req: Request, message: str, *, status: int = 200) -> None:
         if req.state in ("finished", "aborted"):

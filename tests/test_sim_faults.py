@@ -8,6 +8,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.simproc import SimProc, run_sim_cli, start_sim
 
@@ -28,6 +29,20 @@ def test_crash_after_n_admitted() -> None:
         assert all(isinstance(r, httpx.HTTPError) for r in results), results
         assert sim.proc.wait(timeout=5) != 0
         assert "CUDA error" in sim.logs()
+    finally:
+        sim.stop()
+
+
+def test_crash_marker_kills_the_server_only_for_the_prompt_that_holds_it() -> None:
+    sim = start_sim(env={**FAST, "SGLANG_SIM_CRASH_MARKER": "POISON-42"})
+    try:
+        ok = httpx.post(sim.url + "/v1/completions", json={"prompt": "harmless words", "max_tokens": 4}, timeout=10)
+        assert ok.status_code == 200 and sim.proc.poll() is None
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(sim.url + "/v1/chat/completions", timeout=10,
+                       json={"messages": [{"role": "user", "content": "a POISON-42 b"}], "max_tokens": 4})
+        assert sim.proc.wait(timeout=5) != 0
+        assert "CUDA error: an illegal memory access was encountered" in sim.logs()
     finally:
         sim.stop()
 

@@ -59,6 +59,10 @@ class Config:
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight prompts get this long before they are handed back
     max_pending_results: int = 500_000  # stop taking work when the collector falls this far behind
 
+    # Tests only: shift every wall-clock reading a worker takes (status/event/result timestamps) by this
+    # many seconds, to show that no lease or timeout decision trusts a host's clock (they use Redis TIME).
+    test_clock_offset_s: float = 0.0
+
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")

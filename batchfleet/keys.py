@@ -10,16 +10,28 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | rq:job:<id> | hash | producer/worker | the RQ job; deleted when it succeeds (result_ttl=0) |
 | rq:wip:<q> | zset | worker | RQ's started registry (`rq info` "executing") |
 | rq:failed:<q> | zset | worker | RQ's failed registry (`rq requeue` works on it) |
-| bf:<run>:leases | zset | worker | "<job id>:<execution id>" -> lease expiry; a dead worker's leases lapse |
+| bf:<run>:leases | zset | worker | "<job id>:<execution id>" -> expiry, Redis's clock (TIME); lapses if not renewed |
+| bf:<run>:strikes | hash | worker | job id -> server deaths it was in (STRIKES_TTL_S; field gone when it finishes) |
+| bf:<run>:suspects | list | worker | queued job ids with 1 strike: a worker runs at most one beside its normal work |
+| bf:<run>:isolate | list | worker | queued job ids with 2 strikes: a worker reserves one, drains, and runs it alone |
 | bf:<run>:done | set | worker/collector | job ids whose result is in the stream but not yet collected |
 | bf:<run>:results | stream | worker | result records on their way to the collector (bounded by it) |
-| bf:<run>:stats | hash | all | counters: enqueued, succeeded, failed, requeued, tokens ... |
+| bf:<run>:stats | hash | all | counters: enqueued, succeeded, failed, handed_back, recovered, refused, ... |
 | bf:<run>:workers | set | worker | names of workers that published a status record |
 | bf:<run>:status:<worker> | string | worker | the worker's latest status record (expires) |
 | bf:<run>:events | stream | supervisor/worker | `Event`s (field `e`): decisions and restarts (capped) |
 | bf:<run>:control | hash | supervisor | desired `ServerSpec`: field `fleet`, and `worker:<name>` overrides |
 | bf:<run>:history | stream | supervisor | fleet samples (field `s`) for `supervisor report` (capped) |
 | bf:<run>:autopilot | string | supervisor | the autopilot's state (phase, changes tried and failed) |
+
+Counters in `bf:<run>:stats` (`<name>:<queue>` counts per origin queue where noted):
+`enqueued`(:q), `succeeded`(:q), `failed`(:q; includes quarantined prompts), `completion_tokens`,
+`handed_back` (given back untouched: shutdown, restart, a server death it was not inside),
+`recovered` (a lapsed lease's job requeued), `refused`(:q; a job no worker may run: RQ's failed
+registry, no result), `server_deaths`, `struck` (strikes given), `quarantined`.
+
+A job waiting to run is in one of three lists: its queue `rq:queue:<q>`, or `bf:<run>:suspects` /
+`bf:<run>:isolate` once a server died with it inside (status `queued` in each case).
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ RQ_FAILED_PREFIX = "rq:failed:"
 FAILURE_TTL_S = 7 * 24 * 3600  # failed jobs stay requeueable for a week (RQ's default is a year)
 STATUS_TTL_S = 30  # a worker silent this long is treated as gone
 STARTED_REGISTRY_TTL_S = 24 * 3600  # RQ's cleanup must never reap our jobs; leases do that job
+STRIKES_TTL_S = 7 * 24 * 3600  # a prompt's server-death count outlives any worker, not the run's failed jobs
 EVENTS_MAXLEN = 10_000
 HISTORY_MAXLEN = 100_000  # one fleet sample per second is a day of history
 
@@ -65,6 +78,12 @@ class Keys:
     def failed(queue: str) -> str:
         return RQ_FAILED_PREFIX + queue
 
+    @staticmethod
+    def queue_name(queue_key: bytes | str) -> str:
+        """`rq:queue:gpu0` (a member of `rq:queues`) -> `gpu0`."""
+        key = queue_key.decode() if isinstance(queue_key, bytes) else queue_key
+        return key[len(RQ_QUEUE_PREFIX):] if key.startswith(RQ_QUEUE_PREFIX) else key
+
     # --- batchfleet's own ----------------------------------------------------------------------
     @property
     def prefix(self) -> str:
@@ -85,6 +104,18 @@ class Keys:
     @property
     def stats(self) -> str:
         return self.prefix + "stats"
+
+    @property
+    def strikes(self) -> str:
+        return self.prefix + "strikes"
+
+    @property
+    def suspects(self) -> str:
+        return self.prefix + "suspects"
+
+    @property
+    def isolate(self) -> str:
+        return self.prefix + "isolate"
 
     @property
     def workers(self) -> str:

@@ -3,8 +3,10 @@ server, exactly as a host's Procfile runs them; plus the producer CLI as a subpr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import orjson
 import redis
 
 from batchfleet.keys import Keys
-from batchfleet.records import WorkerStatus
+from batchfleet.records import Event, WorkerStatus
 
 from .conftest import free_port
 
@@ -44,10 +46,11 @@ def free_port_block(n: int) -> int:
 
 class Fleet:
     def __init__(self, tmp: Path, redis_url: str, *, run: str = "t", gpus: int = 2,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, prefix: str = "") -> None:
         self.tmp = tmp
         self.redis_url = redis_url
         self.run = run
+        self.prefix = prefix  # queues are <prefix>gpuN: a test of its own never shares a queue
         self.k = Keys(run)
         self.r = redis.Redis.from_url(redis_url)
         self.port_base = free_port_block(gpus)
@@ -66,21 +69,33 @@ class Fleet:
             "SGLANG_SIM_GPU_DIR": str(tmp / "gpus"),
             "SGLANG_SIM_TIME_SCALE": "20",
             "SGLANG_SIM_STARTUP_S": "0.2",
+            **({"BATCHFLEET_QUEUE_PATTERN": re.escape(prefix) + r"gpu\d+"} if prefix else {}),
             **(env or {}),
         }
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.gpus = gpus
+        self.procs: list[subprocess.Popen[bytes]] = []  # every worker ever started, for kill_all
 
     # --- processes ---------------------------------------------------------------------------------
     def record_path(self, gpu: int) -> Path:
         return self.tmp / f"sim-gpu{gpu}.json"
 
+    def queue(self, gpu: int) -> str:
+        return f"{self.prefix}gpu{gpu}"
+
+    @property
+    def queues(self) -> str:
+        """All this fleet's queues, comma-separated (for `producer enqueue --queues`)."""
+        return ",".join(self.queue(g) for g in range(self.gpus))
+
     def start_worker(self, gpu: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = (self.tmp / f"worker-gpu{gpu}.log").open("ab")
         proc = subprocess.Popen(
-            [str(BIN / "rq"), "worker", f"gpu{gpu}", *extra],
+            [str(BIN / "rq"), "worker", self.queue(gpu), *extra],
             env={**self.env, "SGLANG_SIM_RECORD": str(self.record_path(gpu)), **(env or {})},
             stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp)
         self.workers[gpu] = proc
+        self.procs.append(proc)
         return proc
 
     def worker_log(self, gpu: int) -> str:
@@ -98,6 +113,19 @@ class Fleet:
                 p.kill()
                 codes[gpu] = None
         return codes
+
+    def kill_all(self) -> None:
+        """Finalizer: no process of this fleet outlives its test (their servers die with them)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+
+    def events(self, kind: str | None = None) -> list[Event]:
+        out = [Event.from_json(f[b"e"]) for _, f in self.r.xrange(self.k.events)]
+        return [e for e in out if kind is None or e.kind == kind]
 
     def producer(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run([str(BIN / "producer"), *args], env=self.env, capture_output=True, text=True,

@@ -12,16 +12,20 @@ from rq.registry import FailedJobRegistry
 from batchfleet.config import Config
 from batchfleet.errors import PromptError, RetryableError
 from batchfleet.keys import Keys
-from batchfleet.records import Prompt, Result
+from batchfleet.records import Prompt, Result, job_id_for
 from batchfleet.serializer import OrjsonSerializer
 from worker.dispatcher import Dispatcher
 from worker.ledger import Ledger
 
 
-def enqueue(r, n: int, func: str = "batchfleet.jobs.generate", queue: str = "gpu0") -> list[str]:
+def enqueue(r, n: int, func: str = "batchfleet.jobs.generate", queue: str = "gpu0", run: str = "t",
+            start: int = 0) -> list[str]:
+    """Jobs as RQ's own API writes them (zlib JSON), shaped as `producer enqueue` shapes them: the
+    run, and the job id its run and custom_id give."""
     q = Queue(queue, connection=r, serializer=OrjsonSerializer)
-    return [q.enqueue(func, {"cid": f"c{i}", "seq": i, "url": "/v1/completions", "body": {"prompt": f"p{i}"}},
-                      result_ttl=0).id for i in range(n)]
+    return [q.enqueue(func, {"cid": f"c{i}", "seq": i, "url": "/v1/completions", "body": {"prompt": f"p{i}"},
+                             "run": run}, result_ttl=0, job_id=job_id_for(run, f"c{i}")).id
+            for i in range(start, start + n)]
 
 
 class Backend:
@@ -119,26 +123,29 @@ def test_permanent_error_fails_once_with_the_servers_reason(r, redis_url):
 
 
 def test_job_naming_another_function_is_refused_and_never_run(r, redis_url):
-    (bad,) = enqueue(r, 1, func="platform.node")
+    (bad,) = enqueue(r, 1, func="platform.node", start=1)
     enqueue(r, 1)
     backend = Backend()
     run_burst(redis_url, backend, capacity=2)
     assert backend.calls == ["c0"]  # only the allowed job reached the backend
     assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [bad]
-    refused = [x for x in results(r).values() if not x.ok]
-    assert refused[0].error["code"] == "refused" and "platform.node" in refused[0].error["message"]
+    # Refused: RQ's failed registry says why; no result, so it never becomes an export line.
+    exc_info = r.hget(Keys.job(bad), "exc_info").decode()
+    assert exc_info.startswith("refused: ") and "platform.node" in exc_info
+    assert list(results(r)) == ["c0"]
+    assert int(r.hget(Keys("t").stats, "refused")) == 1
 
 
 def test_a_job_of_another_run_is_refused_loudly_not_misfiled(r, redis_url):
+    (other,) = enqueue(r, 1, run="someone-else")
     q = Queue("gpu0", connection=r, serializer=OrjsonSerializer)
-    other = q.enqueue("batchfleet.jobs.generate", {"cid": "x", "seq": 0, "url": "/v1/completions",
-                                                   "body": {"prompt": "p"}, "run": "someone-else"}, result_ttl=0)
     mine = q.enqueue("batchfleet.jobs.generate", {"cid": "y", "seq": 1, "url": "/v1/completions",
-                                                  "body": {"prompt": "p"}, "run": "t"}, result_ttl=0)
+                                                  "body": {"prompt": "p"}, "run": "t"}, result_ttl=0,
+                     job_id=job_id_for("t", "y"))
     backend = Backend()
     run_burst(redis_url, backend, capacity=2)
     assert backend.calls == ["y"]
-    assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [other.id]
+    assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [other]
     assert not r.exists(f"rq:job:{mine.id}")
-    refused = [x for x in results(r).values() if not x.ok]
-    assert "run 'someone-else'" in refused[0].error["message"]
+    assert "run 'someone-else'" in r.hget(Keys.job(other), "exc_info").decode()
+    assert list(results(r)) == ["y"]

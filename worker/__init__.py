@@ -1,9 +1,14 @@
 """batchfleet's worker: `RQ_WORKER_CLASS=worker.GPUWorker rq worker gpu0`.
 
-`GPUWorker` is only the thin entry point `rq worker` needs: it registers with RQ (so `rq info`
-lists it), then hands over to `GPUService`, which owns the SGLang server and keeps exactly as many
-prompts in flight as the server can really run. RQ's own job loop (one job at a time, a new event
-loop per job) is not used; RQ's queues, job hashes and registries are.
+`GPUWorker` is only the thin entry point `rq worker` needs: it takes the host lock of its server
+(one worker per GPU per host), registers with RQ (so `rq info` lists it), then hands over to
+`GPUService`, which owns the SGLang server and keeps exactly as many prompts in flight as the server
+can really run. RQ's own job loop (one job at a time, a new event loop per job) is not used; RQ's
+queues, job hashes and registries are.
+
+Exit status: 0 stopped by a signal (or burst mode done); 1 unexpected error; 2 configuration error;
+3 another worker on this host already owns this GPU's server; 75 stopped by RQ's `shutdown` command
+(drained; meant to be restarted).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import socket
 import sys
 from typing import Any
 
+import orjson
 from rq.worker import BaseWorker
 
 from batchfleet.config import Config, gpu_index_for_queue
@@ -22,11 +28,15 @@ from batchfleet.connection import async_client_like
 from batchfleet.errors import ConfigError
 from batchfleet.serializer import OrjsonSerializer
 
+from .lock import ServerLock, ServerTaken
 from .service import GPUService
 
-__all__ = ["GPUWorker"]
+__all__ = ["EXIT_CONFIG", "EXIT_SERVER_TAKEN", "GPUWorker"]
 
 log = logging.getLogger("batchfleet.worker")
+
+EXIT_CONFIG = 2
+EXIT_SERVER_TAKEN = 3
 
 
 class GPUWorker(BaseWorker):
@@ -61,13 +71,20 @@ class GPUWorker(BaseWorker):
                 raise ConfigError(f"queue {queue!r} names no GPU: call it gpuN or set BATCHFLEET_GPU")
         except ConfigError as exc:
             log.error("%s", exc)
-            sys.exit(2)
+            sys.exit(EXIT_CONFIG)
+        lock = ServerLock(config.server_host, config.port_for(gpu), gpu=gpu)
+        try:
+            lock.acquire()  # before registering with RQ: a refused duplicate leaves no trace there
+        except ServerTaken as exc:
+            log.error("%s", exc)
+            sys.exit(EXIT_SERVER_TAKEN)
         self.bootstrap(logging_level, date_format, log_format)
         code = 1
         try:
             code = asyncio.run(self._serve(config, queue, gpu, burst))
         finally:
             self.teardown()
+            lock.release()
         if code:
             sys.exit(code)
         return True
@@ -75,7 +92,27 @@ class GPUWorker(BaseWorker):
     async def _serve(self, config: Config, queue: str, gpu: int, burst: bool) -> int:
         client = async_client_like(self.connection)
         try:
-            service = GPUService(config, client, worker=self.name, queue=queue, gpu=gpu, rq_heartbeat=self.heartbeat)
-            return await service.run(burst=burst)
+            self._service = GPUService(config, client, worker=self.name, queue=queue, gpu=gpu,
+                                       rq_heartbeat=self.heartbeat)
+            return await self._service.run(burst=burst)
         finally:
             await client.aclose()
+
+    def handle_payload(self, message: Any) -> None:
+        """RQ's pubsub commands (on RQ's pubsub thread). The message is data: anything unreadable is
+        ignored with a warning (it must not end the thread and with it every later command).
+        `shutdown` drains and exits EXIT_SHUTDOWN_COMMAND (so restart-on-failure restarts the worker);
+        `kill-horse` and `stop-job` have no meaning here (no work horse; prompts are not RQ's jobs to
+        stop one by one) and are ignored."""
+        try:
+            payload = orjson.loads(message["data"])
+            command = payload.get("command") if isinstance(payload, dict) else None
+        except (KeyError, TypeError, orjson.JSONDecodeError):
+            command = None
+        if command == "shutdown":
+            service = getattr(self, "_service", None)
+            if service is not None:
+                service.request_stop("RQ shutdown command")
+            return
+        log.warning("ignored an RQ pubsub message on %s: %.80r", self.pubsub_channel_name,
+                    command if command else message.get("data") if isinstance(message, dict) else message)

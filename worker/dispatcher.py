@@ -3,8 +3,18 @@ each as an asyncio task through the backend, and report outcomes to the ledger.
 
 Outcomes follow the exception tree in `batchfleet.errors`: a reply is a success; PromptError fails
 the prompt once with the server's reason; RetryableError retries with capped exponential backoff
-(the slot is given back while it waits) unless the server itself is gone, in which case the prompt
-is handed back to its queue untouched; JobRefused fails a job that names a foreign function.
+(the slot is given back while it waits); JobRefused refuses a job that is not this run's to run (a
+foreign function, a forged or malformed prompt, another run's job): RQ's failed registry, no result.
+
+If the server itself dies, no task hands its prompt back on its own: a task whose request broke
+says so (`trouble`), and waits. The server's keeper confirms the death and calls `server_lost`,
+which collects every task at once and gives a strike to each prompt that was INSIDE the server
+(its request was sent and not answered), atomically in Redis (see `ledger`). The claim loop does
+not claim while the server is down, so nothing cycles claim -> fail -> hand back.
+
+A claimed job is NORMAL (runs beside anything), a SUSPECT (one strike: at most one per worker at a
+time) or SOLO (two strikes: the claim loop stops, the other prompts finish, it runs alone, then the
+loop resumes).
 """
 
 from __future__ import annotations
@@ -12,47 +22,78 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
-from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+import httpx
 import redis
 
 from batchfleet.config import Config
-from batchfleet.errors import JobRefused, PromptError, RetryableError
+from batchfleet.errors import JobRefused, PromptError, RecordError, RetryableError
 from batchfleet.jobs import ALLOWED
-from batchfleet.records import Prompt, Result
+from batchfleet.prompts import InvalidPrompt, check_body
+from batchfleet.records import Prompt, Result, job_id_for
 
-from .ledger import Claim, Ledger, parse_job_data
+from .ledger import MAX_STRIKES, Claim, ClaimKind, DeathOutcome, Ledger, parse_job_data
 from .slots import Slots
 
-__all__ = ["Backend", "Dispatcher"]
+__all__ = ["Backend", "Dispatcher", "Flight"]
 
 log = logging.getLogger("batchfleet.worker.dispatcher")
+
+# A request that failed with one of these never reached the server (nothing to strike it for).
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
 
 
 class Backend(Protocol):
     async def __call__(self, prompt: Prompt) -> dict[str, Any]: ...
 
 
+@dataclass(slots=True, eq=False)
+class Flight:
+    """One claimed job while this worker holds it."""
+
+    claim: Claim
+    prompt: Prompt | None = None
+    attempts: int = 0
+    inside: bool = False  # its request is (or may still be) inside the server: a death strikes it
+    settled: bool = False  # its outcome is written (or handed back): nothing left to do
+    collected: bool = False  # taken over by `server_lost`: it must not hand itself back
+    lost: bool = False  # its lease lapsed and another worker requeued it: drop it silently
+
+
 class Dispatcher:
     def __init__(self, ledger: Ledger, backend: Backend, *, config: Config, worker: str,
-                 queues: Callable[[], list[str]], server_ok: Callable[[], bool] = lambda: True) -> None:
+                 queues: Callable[[], list[str]], server_ok: Callable[[], bool] = lambda: True,
+                 clock: Callable[[], float] | None = None,
+                 on_completion: Callable[[int], None] = lambda tokens: None) -> None:
         self.ledger = ledger
         self.backend = backend
         self.config = config
         self.worker = worker
         self.queues = queues
         self.server_ok = server_ok
+        self.clock = clock or _wall_clock
+        self.on_completion = on_completion  # completion tokens of each success (throughput meter)
         self.slots = Slots(0)
-        self.tasks: dict[asyncio.Task[None], Claim] = {}
+        self.tasks: dict[asyncio.Task[None], Flight] = {}
         self.accepting = asyncio.Event()  # cleared while paused (server restarting) or stopping
+        self.draining = False  # a drain is under way: prompts waiting to retry go back at once
+        self.trouble = asyncio.Event()  # a request broke in transport: is the server still there?
+        self.checked = asyncio.Event()  # cleared with `trouble`: no claims until the keeper has looked
+        self.checked.set()
         self.done = 0
         self.failed = 0
+        self.refused = 0
         self.handed_back = 0
-        self._tokens: deque[tuple[float, int]] = deque()  # (finished_at, completion tokens) for tokens/s
+        self.struck = 0
+        self.quarantined = 0
+        self._suspect: asyncio.Task[None] | None = None  # the one suspect this worker runs, if any
+        self._solo: asyncio.Task[None] | None = None  # the prompt running alone, if any
         self.retry_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # tests swap it out
+        self._paused_said = False
 
     @property
     def in_flight(self) -> int:
@@ -65,19 +106,21 @@ class Dispatcher:
         redis_wait_s = 0.5
         while True:
             await self.accepting.wait()
+            await self.checked.wait()
+            if self._solo is not None:  # a prompt runs alone: nothing else until it is done
+                await asyncio.wait({self._solo})
+                continue
             took = await self.slots.acquire_up_to(self.slots.capacity)
-            if not self.accepting.is_set():
+            if not (self.accepting.is_set() and self.checked.is_set()):
                 self.slots.release(took)
                 continue
             if self.ledger.results_backlog > self.config.max_pending_results:
                 self.slots.release(took)
-                log.warning("results stream holds %d entries: is `producer collect` running? waiting",
-                            self.ledger.results_backlog)
-                await asyncio.sleep(5)
-                await self.ledger.flush()
+                await self._wait_for_collector()
                 continue
             try:
-                claims = await self.ledger.claim(took, self.queues())
+                claims = await self.ledger.claim(took, self.queues(), take_suspect=self._suspect is None,
+                                                 take_solo=True)
             except (redis.RedisError, OSError) as exc:
                 # Redis restarting or unreachable: in-flight prompts keep running; claim again later.
                 self.slots.release(took)
@@ -89,9 +132,7 @@ class Dispatcher:
             if len(claims) < took:
                 self.slots.release(took - len(claims))
             for claim in claims:
-                task = asyncio.create_task(self._run_one(claim), name=f"job {claim.jid}")
-                self.tasks[task] = claim
-                task.add_done_callback(self._reap_task)
+                self._start(claim)
             if claims:
                 idle_s = 0.02
                 continue
@@ -100,116 +141,274 @@ class Dispatcher:
             await asyncio.sleep(idle_s)  # queues are dry: poll gently
             idle_s = min(idle_s * 2, 0.5)
 
+    def _start(self, claim: Claim) -> None:
+        flight = Flight(claim)
+        task = asyncio.create_task(self._run_one(flight), name=f"job {claim.jid}")
+        self.tasks[task] = flight
+        task.add_done_callback(self._reap_task)
+        if claim.kind is ClaimKind.SUSPECT:
+            self._suspect = task
+        elif claim.kind is ClaimKind.SOLO:
+            self._solo = task
+            log.warning("prompt %s was inside %d dead servers: running it alone once the %d prompt(s) in flight "
+                        "finish", claim.jid, MAX_STRIKES - 1, len(self.tasks) - 1)
+
+    async def _wait_for_collector(self) -> None:
+        """Paused: the results stream is too long. Look again (not only when something is flushed,
+        which nothing is while paused) until the collector has drained it."""
+        if not self._paused_said:
+            self._paused_said = True
+            log.warning("results stream holds %d entries: is `producer collect` running? pausing until it drains",
+                        self.ledger.results_backlog)
+        await asyncio.sleep(min(5.0, self.config.status_interval_s))
+        try:
+            await self.ledger.flush()
+            backlog = await self.ledger.refresh_backlog()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("cannot read the results stream's length (%s)", exc)
+            return
+        if backlog <= self.config.max_pending_results:
+            self._paused_said = False
+            log.info("results stream down to %d entries: taking work again", backlog)
+
     def _reap_task(self, task: asyncio.Task[None]) -> None:
         self.tasks.pop(task, None)
+        if task is self._suspect:
+            self._suspect = None
+        if task is self._solo:
+            self._solo = None
         if not task.cancelled() and task.exception() is not None:
             log.error("job task crashed", exc_info=task.exception())
 
     # --- one prompt -----------------------------------------------------------------------------------
-    async def _run_one(self, claim: Claim) -> None:
+    async def _run_one(self, flight: Flight) -> None:
+        claim = flight.claim
         holding = True  # this task holds one slot, except while it sleeps between attempts
-        attempt = 0
         try:
-            prompt = self._decode(claim)
+            prompt = flight.prompt = self._decode(claim)
+            if claim.kind is ClaimKind.SOLO:
+                me = asyncio.current_task()
+                others = [t for t in self.tasks if t is not me]
+                if others:
+                    await asyncio.wait(others)
             while True:
-                attempt += 1
+                flight.attempts += 1
+                was_inside, flight.inside = flight.inside, True
                 try:
                     body = await self.backend(prompt)
                 except RetryableError as exc:
-                    if not self.server_ok() or not self.accepting.is_set():
-                        # The server is gone (or we are stopping): not the prompt's fault.
-                        await self._hand_back(claim)
+                    if exc.status_code is None:  # no answer: the server may be gone
+                        if isinstance(exc.__cause__, _NOT_SENT):
+                            flight.inside = was_inside  # this attempt never reached it; an earlier one may have
+                        self.report_trouble()
+                    else:
+                        flight.inside = False  # the server answered: it holds nothing of ours
+                    if self.draining:
+                        await self._hand_back(flight)
                         return
-                    if attempt >= self.config.max_attempts:
-                        self._fail(claim, prompt, attempt, exc.status_code or 0, "retries_exhausted",
-                                   f"{exc} (after {attempt} attempts)")
+                    if exc.status_code is None and not self.server_ok():
+                        # The server is gone: its keeper strikes what was inside and collects us.
+                        self.slots.release()
+                        holding = False
+                        await self._until_server_ok()
+                        if self.draining:
+                            await self._hand_back(flight)
+                            return
+                        await self.slots.acquire()
+                        holding = True
+                        continue
+                    if flight.attempts >= self.config.max_attempts:
+                        self._fail(flight, exc.status_code or 0, "retries_exhausted",
+                                   f"{exc} (after {flight.attempts} attempts)")
                         return
                     self.slots.release()
                     holding = False
-                    await self.retry_sleep(self._backoff_s(attempt))
+                    await self.retry_sleep(self._backoff_s(flight.attempts))
+                    await self._until_server_ok()
+                    if self.draining:
+                        await self._hand_back(flight)
+                        return
                     await self.slots.acquire()
                     holding = True
                     continue
                 except PromptError as exc:
-                    self._fail(claim, prompt, attempt, exc.status_code, "invalid_prompt", str(exc))
+                    flight.inside = False
+                    self._fail(flight, exc.status_code, "invalid_prompt", str(exc))
                     return
-                self._succeed(claim, prompt, attempt, body)
+                flight.inside = False
+                self._succeed(flight, body)
                 return
         except JobRefused as exc:
             log.error("refused job %s: %s", claim.jid, exc)
-            self._fail(claim, None, 0, 0, "refused", str(exc))
+            flight.settled = True
+            self.refused += 1
+            self.ledger.refuse(claim, str(exc))
         except asyncio.CancelledError:
-            await asyncio.shield(self._hand_back(claim))
+            if not (flight.collected or flight.lost or flight.settled):
+                await asyncio.shield(self._hand_back(flight))
             raise
         finally:
             if holding:
                 self.slots.release()
 
+    def report_trouble(self) -> None:
+        """A request got no answer: claim nothing more until the keeper has looked at the server
+        (`server_checked`), so a dead server does not swallow and give back a stream of new claims."""
+        self.checked.clear()
+        self.trouble.set()
+
+    def server_checked(self) -> None:
+        """The keeper looked after `trouble` and the server is alive: claims may go on."""
+        self.trouble.clear()
+        self.checked.set()
+
+    async def _until_server_ok(self) -> None:
+        """Wait while the server is down or paused (a death is collected by `server_lost`, which
+        cancels this wait; a drain hands the prompt back)."""
+        while not (self.server_ok() and self.accepting.is_set()) and not self.draining:
+            await asyncio.sleep(0.2)
+
     def _decode(self, claim: Claim) -> Prompt:
+        """The job as data: every field checked as strictly as the producer checks an input line."""
         try:
             func, args, kwargs = parse_job_data(claim.data)
         except Exception as exc:
-            raise JobRefused(f"job data is not batchfleet JSON ({type(exc).__name__})") from exc
+            raise JobRefused(f"job data is not batchfleet JSON ({type(exc).__name__}: {str(exc)[:100]})") from exc
         if func not in ALLOWED:
-            raise JobRefused(f"job function {func!r} is not on batchfleet's allow-list")
+            raise JobRefused(f"job function {func[:100]!r} is not on batchfleet's allow-list")
         if len(args) != 1 or kwargs or not isinstance(args[0], dict):
             raise JobRefused("a batchfleet job takes exactly one prompt argument")
         try:
             prompt = Prompt.from_dict(args[0])
-        except (KeyError, TypeError, ValueError) as exc:
+        except (RecordError, KeyError, TypeError, ValueError) as exc:
             raise JobRefused(f"malformed prompt record: {exc}") from exc
-        if prompt.run and prompt.run != self.config.run:
+        if not prompt.run:
+            raise JobRefused("job names no run (batchfleet's producer always writes one): not run")
+        if prompt.run != self.config.run:
             # Its result would land in this run's stream and never reach its own export. Loud, and
             # recoverable: `rq requeue` once workers of run {prompt.run} serve this queue.
-            raise JobRefused(f"job of run {prompt.run!r} on a queue served by run {self.config.run!r}: "
+            raise JobRefused(f"job of run {prompt.run[:60]!r} on a queue served by run {self.config.run!r}: "
                              "give each run queues of its own")
+        if claim.jid != job_id_for(prompt.run, prompt.cid):
+            raise JobRefused("job id is not the one its run and custom_id give: not written by `producer enqueue`")
+        try:
+            check_body(prompt.url, prompt.body, size_bytes=len(claim.data))
+        except InvalidPrompt as exc:
+            raise JobRefused(f"request refused: {exc}") from exc
         return prompt
 
     def _backoff_s(self, attempt: int) -> float:
         base = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (attempt - 1))
         return base * random.uniform(0.5, 1.0)  # jitter: a fleet must not retry in lockstep
 
-    def _succeed(self, claim: Claim, prompt: Prompt, attempts: int, body: dict[str, Any]) -> None:
-        result = Result(cid=prompt.cid, jid=claim.jid, seq=prompt.seq, status_code=200, body=body,
-                        worker=self.worker, attempts=attempts)
+    def _succeed(self, flight: Flight, body: dict[str, Any]) -> None:
+        assert flight.prompt is not None
+        prompt = flight.prompt
+        result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=200, body=body,
+                        worker=self.worker, attempts=flight.attempts, finished_at=self.clock())
+        flight.settled = True
         self.done += 1
-        self._tokens.append((time.monotonic(), result.completion_tokens))
-        self.ledger.finish(claim, result)
+        self.on_completion(result.completion_tokens)
+        self.ledger.finish(flight.claim, result)
 
-    def _fail(self, claim: Claim, prompt: Prompt | None, attempts: int, status: int, code: str, message: str) -> None:
-        result = Result(cid=prompt.cid if prompt else claim.jid, jid=claim.jid, seq=prompt.seq if prompt else -1,
-                        status_code=status, error={"code": code, "message": message}, worker=self.worker,
-                        attempts=attempts)
+    def _fail(self, flight: Flight, status: int, code: str, message: str) -> None:
+        assert flight.prompt is not None
+        prompt = flight.prompt
+        result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=status,
+                        error={"code": code, "message": message}, worker=self.worker, attempts=flight.attempts,
+                        finished_at=self.clock())
+        flight.settled = True
         self.failed += 1
         log.warning("prompt %s failed (%s): %s", result.cid, code, message)
-        self.ledger.finish(claim, result, exc_string=f"{code}: {message}")
+        self.ledger.finish(flight.claim, result, exc_string=f"{code}: {message}")
 
-    async def _hand_back(self, claim: Claim) -> None:
-        self.handed_back += await self.ledger.hand_back([claim])
+    async def _hand_back(self, flight: Flight) -> None:
+        flight.settled = True
+        try:
+            n = await self.ledger.hand_back([flight.claim])
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not hand back %s (%s): its lease lapses and it runs again", flight.claim.jid, exc)
+            return
+        self.handed_back += n
 
     # --- control ----------------------------------------------------------------------------------------
+    async def server_lost(self, *, reason: str, log_tail: str) -> DeathOutcome:
+        """The server died (or hung and was killed): stop claiming, take every prompt back from its
+        task, and in one atomic call give a strike to each that was inside the server, the rest back
+        untouched. A prompt alone in the server at its MAX_STRIKES-th death is quarantined."""
+        self.accepting.clear()
+        flights = list(self.tasks.items())
+        for task, flight in flights:
+            flight.collected = True
+            task.cancel()
+        if flights:
+            await asyncio.gather(*(t for t, _ in flights), return_exceptions=True)
+        open_flights = [f for _, f in flights if not f.settled]
+        inside = [f for f in open_flights if f.inside]
+        outside = [f.claim for f in open_flights if not f.inside]
+        alone = inside[0] if len(inside) == 1 else None
+        entries = [(f.claim, self._quarantine_result(f, reason, log_tail) if f is alone else None) for f in inside]
+        exc_string = f"server_crash: {reason}"
+        outcome = await self.ledger.after_server_death(entries, outside, exc_string=exc_string)
+        self.struck += outcome.struck
+        self.handed_back += outcome.handed_back
+        if outcome.quarantined:
+            self.quarantined += len(outcome.quarantined)
+            self.failed += len(outcome.quarantined)
+            for jid in outcome.quarantined:
+                cid = alone.prompt.cid if alone is not None and alone.prompt is not None else jid
+                log.error("prompt %s quarantined: its server died %d times with it inside, the last time alone",
+                          cid, MAX_STRIKES)
+        log.warning("server lost with %d prompt(s) in hand: %d struck (inside it), %d handed back, %d quarantined",
+                    len(open_flights), outcome.struck, outcome.handed_back, len(outcome.quarantined))
+        return outcome
+
+    def _quarantine_result(self, flight: Flight, reason: str, log_tail: str) -> Result | None:
+        prompt = flight.prompt
+        if prompt is None:
+            return None
+        tail = log_tail[-LOG_TAIL_CHARS:]
+        if self.config.server_api_key:
+            tail = tail.replace(self.config.server_api_key, "<redacted>")
+        message = (f"the server died {MAX_STRIKES} times with this prompt inside, the last time with nothing else "
+                   f"in it; quarantined, never run again. Last death: {reason}\n--- server log (tail) ---\n{tail}")
+        return Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=0,
+                      error={"code": "server_crash", "message": message}, worker=self.worker,
+                      attempts=flight.attempts, finished_at=self.clock())
+
+    def drop_lost(self, jids: list[str]) -> None:
+        """These jobs' leases lapsed and other workers requeued them: stop running them here (their
+        results would be refused anyway)."""
+        lost = set(jids)
+        for task, flight in list(self.tasks.items()):
+            if flight.claim.jid in lost and not flight.settled:
+                flight.lost = True
+                task.cancel()
+
     async def drain(self, timeout_s: float) -> int:
         """Stop claiming; let in-flight prompts finish for up to `timeout_s`; hand back the rest.
         Returns how many were handed back."""
         self.accepting.clear()
-        pending = list(self.tasks)
-        if pending:
-            _, still = await asyncio.wait(pending, timeout=timeout_s)
-            for task in still:
-                task.cancel()
-            if still:
-                await asyncio.gather(*still, return_exceptions=True)
-                log.info("handed back %d in-flight prompt(s)", len(still))
+        self.draining = True
+        before = self.handed_back
+        try:
+            pending = list(self.tasks)
+            if pending:
+                _, still = await asyncio.wait(pending, timeout=timeout_s)
+                for task in still:
+                    task.cancel()
+                if still:
+                    await asyncio.gather(*still, return_exceptions=True)
             await self.ledger.flush()
-            return len(still)
-        await self.ledger.flush()
-        return 0
+        finally:
+            self.draining = False
+        handed = self.handed_back - before
+        if handed:
+            log.info("handed back %d in-flight prompt(s)", handed)
+        return handed
 
-    def tokens_per_s(self, window_s: float = 30.0) -> float:
-        now = time.monotonic()
-        while self._tokens and self._tokens[0][0] < now - window_s:
-            self._tokens.popleft()
-        if not self._tokens:
-            return 0.0
-        span = max(now - self._tokens[0][0], min(window_s, 1.0))
-        return sum(t for _, t in self._tokens) / span
+
+def _wall_clock() -> float:
+    import time
+
+    return time.time()

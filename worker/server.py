@@ -14,8 +14,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import orjson
 
 from batchfleet import sglang
 from batchfleet.config import Config
@@ -70,7 +72,7 @@ class SGLangServer:
             # Own session: a stop signals the whole group (SGLang forks scheduler/detokenizer processes).
             self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, preexec_fn=_die_with_parent)
-        self.pid_path.write_text(str(self.proc.pid))
+        _write_pid_record(self.pid_path, self.proc.pid)
         log.info("gpu%d: started server pid %d: %s", self.gpu, self.proc.pid, shlex.join(self.argv))
         await self._wait_ready()
         self.capacity = await self._discover_capacity()
@@ -134,18 +136,20 @@ class SGLangServer:
 
     async def _clear_leftover(self) -> None:
         """A server left by an earlier worker on this GPU (one killed with -9 where the death signal
-        could not be armed) holds the GPU and the port: stop it. A port held by anything else is an
-        error to report, not to wait out."""
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(self.pid_path.read_text())
-            if _alive(pid):
-                log.warning("gpu%d: stopping server pid %d left by an earlier worker", self.gpu, pid)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-                for _ in range(100):
-                    if not _alive(pid):
-                        break
-                    await asyncio.sleep(0.1)
+        could not be armed) holds the GPU and the port: stop it, but only when it is verifiably that
+        server (same pid, same start time, same command line, same boot): a pid the kernel gave to
+        another process since is never signalled. A port held by anything else is an error to report,
+        not to wait out. (The host lock, `worker.lock`, already ensures no live worker owns it.)"""
+        pid = _leftover_server(self.pid_path)
+        if pid is not None:
+            log.warning("gpu%d: stopping server pid %d left by an earlier worker (verified: same start time "
+                        "and command line)", self.gpu, pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            for _ in range(100):
+                if not _alive(pid):
+                    break
+                await asyncio.sleep(0.1)
         with socket.socket() as sock:
             sock.settimeout(1.0)
             if sock.connect_ex((self.config.server_host, self.port)) == 0:
@@ -217,6 +221,49 @@ def _alive(pid: int) -> bool:
     with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
         return f.read().split(")")[-1].split()[0] != "Z"
     return True
+
+
+def _process_identity(pid: int) -> dict[str, object] | None:
+    """What identifies a process beyond its (reusable) pid: its start time in clock ticks since boot,
+    the boot it belongs to, and its command line. None when it is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == b"Z":
+        return None
+    return {"start_ticks": int(fields[19]), "boot_id": boot_id, "cmdline": cmdline}
+
+
+def _write_pid_record(path: Path, pid: int) -> None:
+    record = {"pid": pid, **(_process_identity(pid) or {})}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(orjson.dumps(record))
+    tmp.replace(path)
+
+
+def _leftover_server(path: Path) -> int | None:
+    """The pid in `path` if that process is alive AND is the very process recorded there; else None
+    (with a warning when a live process holds the pid but is not ours)."""
+    try:
+        record = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("pid"), int) or record["pid"] <= 1:
+        return None  # an old bare-number pid file, or garbage: nothing can be verified, nothing is killed
+    pid = record["pid"]
+    now = _process_identity(pid)
+    if now is None:
+        return None
+    if any(record.get(k) != now[k] for k in ("start_ticks", "boot_id", "cmdline")):
+        log.warning("pid %d from %s is alive but is not the server recorded there (pid reused): left alone", pid, path)
+        return None
+    return pid
 
 
 def _die_with_parent() -> None:

@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from collections.abc import Callable
 
 import httpx
+import redis
 import redis.asyncio as aioredis
 
 from batchfleet import keys, sglang
 from batchfleet.keys import Keys
 from batchfleet.records import ServerMetrics, WorkerStatus
 
-__all__ = ["StatusPublisher"]
+from .meter import ThroughputMeter
+
+__all__ = ["StatusPublisher", "StatusReporter"]
 
 log = logging.getLogger("batchfleet.worker.status")
 
@@ -38,6 +42,44 @@ class StatusPublisher:
             pipe.delete(self.k.status(worker))
             pipe.srem(self.k.workers, worker)
             await pipe.execute()
+
+
+class StatusReporter:
+    """Every `interval_s`: scrape the server's gauges, feed the throughput meter, publish the status
+    record, and beat RQ's worker heartbeat (so `rq info` keeps listing this worker)."""
+
+    def __init__(self, publisher: StatusPublisher, meter: ThroughputMeter, *, interval_s: float,
+                 http: Callable[[], httpx.AsyncClient | None], server_running: Callable[[], bool],
+                 rq_heartbeat: Callable[[], object]) -> None:
+        self.publisher = publisher
+        self.meter = meter
+        self.interval_s = interval_s
+        self.http = http
+        self.server_running = server_running
+        self.rq_heartbeat = rq_heartbeat
+        self.metrics = ServerMetrics()
+
+    async def publish_now(self) -> None:
+        """Publish the status record now; a Redis outage must not stop the server's life cycle."""
+        try:
+            await self.publisher.publish()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not publish status: %s", exc)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                client = self.http()
+                if client is not None and self.server_running():
+                    self.metrics = await scrape_metrics(client)
+                    self.meter.note_counter(self.metrics.generation_tokens_total)
+                await self.publisher.publish()
+                await asyncio.to_thread(self.rq_heartbeat)
+            except (redis.RedisError, OSError) as exc:
+                log.warning("status publish failed: %s", exc)
+            except Exception:
+                log.exception("status publish failed")
+            await asyncio.sleep(self.interval_s)
 
 
 async def scrape_metrics(client: httpx.AsyncClient) -> ServerMetrics:

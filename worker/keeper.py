@@ -1,0 +1,225 @@
+"""The server's life, seen from the worker: start it, watch it, restart it when it dies or hangs or
+when the supervisor asks for another spec; report each step in the worker's state.
+
+    START ──ready──▶ SERVE ──died/hung──▶ DIED (kill; strikes for the prompts inside) ──▶ START
+      │                └──another spec asked──▶ RESPEC (drain, hand back the rest, stop, GPU free) ──▶ START
+      └──could not start──▶ BACKOFF (state "down", reason and log tail published) ──▶ START
+
+Each phase is a method in a dispatch table that returns the next phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+
+import httpx
+import redis
+
+from batchfleet import sglang
+from batchfleet.config import Config
+from batchfleet.errors import ConfigError, ServerDied, ServerStartError
+from batchfleet.records import ENDPOINTS, Prompt, WorkerState
+
+from .dispatcher import Dispatcher
+from .events import EventLog
+from .gpu import wait_gpu_free
+from .server import SGLangServer
+from .spec import SpecFollower
+
+__all__ = ["Phase", "ServerKeeper"]
+
+log = logging.getLogger("batchfleet.worker")
+
+
+class Phase(StrEnum):
+    START = "start"
+    SERVE = "serve"
+    DIED = "died"
+    RESPEC = "respec"
+    BACKOFF = "backoff"
+
+
+class ServerKeeper:
+    def __init__(self, config: Config, server: SGLangServer, dispatcher: Dispatcher, spec: SpecFollower,
+                 events: EventLog, *, gpu: int, publish: Callable[[], Awaitable[None]]) -> None:
+        self.config = config
+        self.server = server
+        self.dispatcher = dispatcher
+        self.spec = spec
+        self.events = events
+        self.gpu = gpu
+        self.publish = publish
+        self.state = WorkerState.STARTING
+        self.message = ""
+        self.http: httpx.AsyncClient | None = None
+        self.deaths = 0  # server deaths (exits and hangs) while serving
+        self._failures = 0  # start failures in a row
+        self._death: ServerDied | None = None
+        self._restarting: dict | None = None  # set between a spec-driven stop and the next start
+        self._phases: dict[Phase, Callable[[], Awaitable[Phase]]] = {
+            Phase.START: self._start, Phase.SERVE: self._serve, Phase.DIED: self._died,
+            Phase.RESPEC: self._respec, Phase.BACKOFF: self._backoff,
+        }
+
+    async def run(self) -> None:
+        phase = Phase.START
+        while True:
+            phase = await self._phases[phase]()
+
+    def serving(self) -> bool:
+        return self.state is WorkerState.SERVING and self.server.running
+
+    async def generate(self, prompt: Prompt) -> dict:
+        """The dispatcher's backend: one request to this worker's own server, on an endpoint of the
+        allow-list only (a relative path: nothing can send the server's key elsewhere)."""
+        assert self.http is not None
+        if prompt.url not in ENDPOINTS:
+            raise ValueError(f"refusing to send a request to {prompt.url!r}")
+        return await sglang.complete(self.http, prompt.url, prompt.body)
+
+    async def close(self) -> None:
+        self.state, self.message = WorkerState.DOWN, self.message or "stopped"
+        await self.server.stop()
+        if self.http is not None:
+            await self.http.aclose()
+            self.http = None
+
+    # --- phases ----------------------------------------------------------------------------------
+    async def _start(self) -> Phase:
+        self.state = WorkerState.STARTING
+        spec = await self.spec.desired()
+        try:
+            capacity = await self.server.start(spec)
+        except ServerStartError as exc:
+            self._failures += 1
+            self.state, self.message = WorkerState.DOWN, str(exc)
+            log.error("gpu%d: %s", self.gpu, exc)
+            await self.publish()
+            return Phase.BACKOFF
+        except ConfigError as exc:
+            self.state, self.message = WorkerState.DOWN, f"configuration error: {exc}"
+            log.error("gpu%d: %s", self.gpu, self.message)
+            await self.publish()
+            raise
+        self._failures = 0
+        await self._open_http(capacity)
+        limit = min(capacity, self.config.max_in_flight or capacity)
+        await self.dispatcher.slots.resize(limit)
+        self.state, self.message = WorkerState.SERVING, ""
+        self.dispatcher.server_checked()
+        self.dispatcher.accepting.set()
+        await self.publish()
+        if self._restarting is not None:
+            await self.events.emit("restarted", f"gpu{self.gpu} now serves {spec.describe()} (generation "
+                                   f"{spec.generation}) with {capacity} slots", **self._restarting, capacity=capacity,
+                                   generation=spec.generation, strategy=spec.strategy,
+                                   downtime_s=round(time.monotonic() - self._restarting["since"], 2))
+            self._restarting = None
+        return Phase.SERVE
+
+    async def _backoff(self) -> Phase:
+        await asyncio.sleep(min(300.0, 5.0 * 2 ** (self._failures - 1)))
+        return Phase.START
+
+    async def _serve(self) -> Phase:
+        try:
+            await self._watch()
+        except ServerDied as exc:
+            self._death = exc
+            return Phase.DIED
+        return Phase.RESPEC
+
+    async def _died(self) -> Phase:
+        """The server exited, or hung and is killed now. Stop claiming at once; the prompts that were
+        inside it get a strike (see `ledger`); restart."""
+        exc = self._death
+        assert exc is not None
+        self.deaths += 1
+        reason = str(exc).splitlines()[0]
+        log.error("gpu%d: %s; restarting it", self.gpu, reason)
+        self.state, self.message = WorkerState.RESTARTING, reason
+        self.dispatcher.accepting.clear()
+        self.server.kill()  # a hung server must not finish anything now; a dead one is already gone
+        await self.publish()
+        tail = exc.log_tail or self.server.log_tail()
+        with contextlib.suppress(redis.RedisError, OSError):  # said by the ledger; the leases lapse, they rerun
+            await self.dispatcher.server_lost(reason=reason, log_tail=tail)
+        return Phase.START
+
+    async def _respec(self) -> Phase:
+        """Drain (in-flight prompts finish up to the deadline, the rest go back to their queue), stop
+        the server, and wait until its GPU memory is free, so the next start sees a clean GPU."""
+        old = self.server.spec
+        since = time.monotonic()
+        self.state, self.message = WorkerState.RESTARTING, "draining for a new server configuration"
+        self.dispatcher.accepting.clear()
+        await self.publish()
+        handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
+        await self.server.stop()
+        gpu_note = await wait_gpu_free(self.gpu)
+        self._restarting = {"since": since, "handed_back": handed, "previous": old.describe(),
+                            "previous_generation": old.generation, "gpu": gpu_note}
+        log.info("gpu%d: restarting for generation %s: %d prompt(s) handed back; %s", self.gpu,
+                 (await self.spec.desired()).generation, handed, gpu_note)
+        return Phase.START
+
+    # --- watching --------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """Return when the supervisor asks for another server spec; raise ServerDied when the process
+        exited or generation is stuck."""
+        misses = 0
+        last_health = time.monotonic()
+        finished_then = self._finished()
+        trouble = self.dispatcher.trouble
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(trouble.wait(), timeout=1.0)
+            if trouble.is_set():  # a request broke without an answer: has the process exited?
+                await self._settle_exit()
+                if self.server.running:
+                    self.dispatcher.server_checked()  # alive: claims go on (a hang is judged below)
+            if not self.server.running:
+                self.server.check_alive()
+            desired = await self.spec.desired()
+            if desired.generation != self.server.spec.generation:
+                return
+            if time.monotonic() - last_health < self.config.health_interval_s:
+                continue
+            last_health = time.monotonic()
+            if self._finished() > finished_then:
+                finished_then, misses = self._finished(), 0  # prompts are finishing: it generates
+                continue
+            try:
+                # Nothing finished lately: idle, or stuck. Ask for a real generation.
+                await self.server.check_health(self.http, timeout_s=max(20.0, 2 * self.config.health_interval_s))
+                misses = 0
+            except ServerDied as exc:
+                if not self.server.running:
+                    raise
+                misses += 1  # a busy server may miss once; twice in a row is a hang
+                log.warning("gpu%d: health check failed (%d in a row): %s", self.gpu, misses, exc)
+                if misses >= 2:
+                    raise
+
+    async def _settle_exit(self) -> None:
+        """A dying process resets its connections a moment before the kernel reports its exit: look
+        again for up to a second before judging it alive."""
+        for _ in range(20):
+            if not self.server.running:
+                return
+            await asyncio.sleep(0.05)
+
+    def _finished(self) -> int:
+        return self.dispatcher.done + self.dispatcher.failed
+
+    async def _open_http(self, capacity: int) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+        # A few connections beyond capacity for health checks and metrics scrapes.
+        self.http = sglang.make_client(self.server.url, api_key=self.config.server_api_key,
+                                       timeout_s=self.config.request_timeout_s, max_connections=capacity + 4)

@@ -8,6 +8,10 @@ Figures worth reporting (recovery times) are printed; run with `-s` to see them.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +22,7 @@ import pytest
 from batchfleet.keys import Keys
 from batchfleet.records import job_id_for
 
-from .fleet import Fleet, expected_text, text_of, write_prompts
+from .fleet import BIN, Fleet, expected_text, text_of, write_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -138,3 +142,158 @@ def test_a_poison_prompt_is_quarantined_after_three_server_deaths_and_no_bystand
           f"({stats.get('struck', 0)} strikes, {stats.get('handed_back', 0)} handed back); prompts/s before the "
           f"first death {rate('first_result', 'first_death'):.0f}, between it and the quarantine "
           f"{rate('first_death', 'quarantined'):.0f}, second batch {rate('second_batch', 'all_done'):.0f}")
+
+
+# --- 7.5: one worker per GPU per host ---------------------------------------------------------------------
+def test_a_second_worker_for_the_same_gpu_refuses_to_start_and_the_lock_dies_with_its_owner(tmp_path, fleets):
+    n = 120
+    fleet = fleets(run="lock", prefix="lock.", gpus=1, env={"SGLANG_SIM_TIME_SCALE": "5",
+                                                            "BATCHFLEET_LEASE_TTL_S": "3"})
+    rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=64)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    first = fleet.start_worker(0)
+    fleet.wait_for(lambda: any(s.state == "serving" and s.in_flight > 0 for s in fleet.statuses()), 60, "serving")
+    server_pid = fleet.sim_record(0)["pid"]
+
+    second = subprocess.run([str(BIN / "rq"), "worker", fleet.queue(0)], env=fleet.env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 3, second.stdout + second.stderr
+    assert f"another batchfleet worker (pid {first.pid}) already owns" in second.stdout + second.stderr
+    os.kill(server_pid, 0)  # the first worker's server was not touched
+    assert first.poll() is None and fleet.r.scard("rq:workers") == 1  # the refused one never registered
+
+    first.send_signal(signal.SIGKILL)  # the lock dies with its owner, even on kill -9
+    first.wait(10)
+    third = fleet.start_worker(0)
+    fleet.wait_for(lambda: fleet.finished() >= n, 120, "every prompt, on the worker that took over")
+    assert fleet.stop_all() == {0: 0} and third.returncode == 0
+    assert "left by an earlier worker" not in fleet.worker_log(0)  # it died with its worker: nothing to kill
+    by_id = export(fleet, tmp_path)
+    assert sorted(by_id) == sorted(r["id"] for r in rows)
+    assert all(x["error"] is None for x in by_id.values()) and fleet.stats()["succeeded"] == n
+
+
+def test_a_stale_pid_file_leads_to_a_kill_only_when_it_is_verifiably_our_old_server(tmp_path, fleets):
+    from worker.server import _write_pid_record
+
+    fleet = fleets(run="pidfile", prefix="pidfile.", gpus=1)
+    pid_path = tmp_path / "state" / "logs" / "sglang-gpu0.pid"
+    pid_path.parent.mkdir(parents=True)
+    stranger = subprocess.Popen(["sleep", "300"])
+    leftover = None
+    try:
+        # 1. The pid now belongs to another process (pid reused): never signalled, in either file format.
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        for record in ({"pid": stranger.pid, "start_ticks": 1, "boot_id": boot_id,
+                        "cmdline": [sys.executable, "-m", "sglang_sim"]}, stranger.pid):
+            pid_path.write_bytes(orjson.dumps(record))
+            proc = fleet.start_worker(0)
+            fleet.wait_for(lambda: any(s.state == "serving" for s in fleet.statuses()), 60, "serving")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+            assert stranger.poll() is None, "a process that merely reuses the pid was killed"
+        assert "is not the server recorded there (pid reused): left alone" in fleet.worker_log(0)
+
+        # 2. Our old server, still holding the GPU's port (its worker could not take it along): stopped.
+        port = fleet.port_base
+        leftover = subprocess.Popen([sys.executable, "-m", "sglang_sim", "--model-path", "sim/tiny-hybrid",
+                                     "--port", str(port)], env=fleet.env, start_new_session=True,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _write_pid_record(pid_path, leftover.pid)
+        write_prompts(tmp_path / "prompts.jsonl", 20)
+        fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+        fleet.start_worker(0)
+        fleet.wait_for(lambda: fleet.finished() >= 20, 60, "prompts on the worker's own new server")
+        assert leftover.wait(10) is not None  # killed (and reaped here)
+        assert fleet.sim_record(0)["pid"] != leftover.pid
+        assert "left by an earlier worker (verified" in fleet.worker_log(0)
+        assert fleet.stop_all() == {0: 0}
+    finally:
+        stranger.kill()
+        stranger.wait()
+        if leftover is not None and leftover.poll() is None:
+            leftover.kill()
+            leftover.wait()
+
+
+# --- 7.6: bookkeeping defects ------------------------------------------------------------------------------
+def test_a_worker_paused_for_a_long_results_stream_resumes_when_the_collector_drains_it(tmp_path, fleets):
+    n = 40
+    fleet = fleets(run="pause", prefix="pause.", gpus=1, env={"BATCHFLEET_MAX_PENDING_RESULTS": "5"})
+    rows = write_prompts(tmp_path / "prompts.jsonl", n)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    fleet.start_worker(0)
+    fleet.wait_for(lambda: "results stream holds" in fleet.worker_log(0), 60, "the worker to pause")
+    paused_at = fleet.finished()
+    assert 5 < paused_at < n
+    collector = subprocess.Popen([str(BIN / "producer"), "collect", "--follow", "--interval", "0.2"], env=fleet.env,
+                                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        fleet.wait_for(lambda: fleet.finished() >= n, 120, "the paused worker to resume and finish")
+    finally:
+        collector.send_signal(signal.SIGTERM)
+        collector.wait(30)
+    assert fleet.stop_all() == {0: 0}
+    assert "taking work again" in fleet.worker_log(0)
+    by_id = export(fleet, tmp_path)
+    assert sorted(by_id) == sorted(r["id"] for r in rows) and fleet.stats()["succeeded"] == n
+
+
+def _final_counts(log: str) -> dict[str, int]:
+    line = next(x for x in reversed(log.splitlines()) if " stopped: " in x and "done" in x)
+    tail = line.split(" stopped: ", 1)[1]
+    return {name: int(num) for num, name in (part.strip().split(" ", 1) for part in tail.split(","))}
+
+
+def test_after_a_server_crash_nothing_cycles_and_the_counts_are_exact(tmp_path, fleets):
+    # The server dies at its 70th admission: the prompts inside it get a strike and go back once;
+    # while it restarts the worker claims nothing (no claim -> fail -> hand back loop).
+    n = 120
+    fleet = fleets(run="crash", prefix="crash.", gpus=1, env={"SGLANG_SIM_CRASH_AFTER": "70"})
+    rows = write_prompts(tmp_path / "prompts.jsonl", n)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    fleet.start_worker(0)
+    fleet.wait_for(lambda: fleet.finished() >= n, 120, "every prompt despite the crash")
+    assert fleet.stop_all() == {0: 0}
+    stats = fleet.stats()
+    assert stats["server_deaths"] == 1 and stats["succeeded"] == n and stats.get("failed", 0) == 0
+    back = stats.get("struck", 0) + stats.get("handed_back", 0)
+    assert 1 <= back <= 12, stats  # at most what was in hand once (capacity 12), nothing cycled
+    counts = _final_counts(fleet.worker_log(0))  # the worker's own counts agree with Redis's exactly
+    assert counts["handed back"] == stats.get("handed_back", 0) and counts["struck"] == stats.get("struck", 0)
+    assert counts["done"] == n and counts["server death(s)"] == 1
+    assert sorted(export(fleet, tmp_path)) == sorted(r["id"] for r in rows)
+
+
+def test_a_server_death_while_redis_is_away_leaves_no_lease_held_forever(tmp_path, fleets):
+    # Redis (with AOF) goes away, then the server is killed: the worker cannot record the death. It
+    # must not keep those prompts leased (renewed forever, never run): it forgets them, their leases
+    # lapse on Redis's clock, and they run again once Redis is back.
+    from .conftest import RedisServer
+
+    redis_server = RedisServer(tmp_path, "--appendonly", "yes", "--appendfsync", "always")
+    redis_server.start()
+    try:
+        n = 40
+        fleet = fleets(run="away", prefix="away.", gpus=1, env={"SGLANG_SIM_TIME_SCALE": "2",
+                                                                "BATCHFLEET_LEASE_TTL_S": "3"})
+        fleet.redis_url = redis_server.url
+        fleet.env["REDIS_URL"] = redis_server.url
+        fleet.r = __import__("redis").Redis.from_url(redis_server.url)
+        rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=200)
+        fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+        fleet.start_worker(0)
+        fleet.wait_for(lambda: fleet.r.zcard(fleet.k.leases) >= 5, 60, "prompts in flight")
+        redis_server.stop()
+        os.kill(fleet.sim_record(0)["pid"], signal.SIGKILL)
+        fleet.wait_for(lambda: "could not record the server death" in fleet.worker_log(0), 60,
+                       "the worker to give up recording the death")
+        redis_server.start()
+        fleet.wait_for(lambda: fleet.finished() >= n, 120, "every prompt after Redis came back")
+        assert fleet.stop_all() == {0: 0}
+        assert fleet.r.zcard(fleet.k.leases) == 0
+        stats = fleet.stats()
+        assert stats["succeeded"] == n and stats.get("recovered", 0) >= 1
+        assert sorted(export(fleet, tmp_path)) == sorted(r["id"] for r in rows)
+    finally:
+        redis_server.stop()

@@ -297,3 +297,224 @@ def test_a_server_death_while_redis_is_away_leaves_no_lease_held_forever(tmp_pat
         assert sorted(export(fleet, tmp_path)) == sorted(r["id"] for r in rows)
     finally:
         redis_server.stop()
+
+
+# --- 7.7: a bad record never stops the fleet ------------------------------------------------------------
+def test_a_bad_control_record_stops_no_worker_now_or_after_a_restart(tmp_path, fleets):
+    n, gpus = 240, 2
+    fleet = fleets(run="badrec", prefix="badrec.", gpus=gpus, env={"SGLANG_SIM_TIME_SCALE": "10"})
+    rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=64)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    for g in range(gpus):
+        fleet.start_worker(g)
+    fleet.wait_for(lambda: sum(s.state == "serving" and s.in_flight > 0 for s in fleet.statuses()) == gpus, 60,
+                   "every worker serving")
+    # A field from a newer version: ignored with one warning; same generation, so nothing restarts.
+    fleet.r.hset(fleet.k.control, Keys.CONTROL_FLEET, orjson.dumps({"generation": 0, "strategy": "default",
+                                                                    "added_by_a_newer_version": {"x": 1}}))
+    fleet.wait_for(lambda: all("added_by_a_newer_version" in fleet.worker_log(g) for g in range(gpus)), 30,
+                   "the unknown field to be noticed")
+    # An invalid spec: refused, one event per worker, the current server kept.
+    fleet.r.hset(fleet.k.control, Keys.CONTROL_FLEET, orjson.dumps({"generation": 1, "strategy": "bogus",
+                                                                    "shiny": True}))
+    fleet.wait_for(lambda: len(fleet.events("spec_refused")) >= gpus, 30, "each worker to refuse the spec")
+    refused_at = max(e.ts for e in fleet.events("spec_refused"))
+    # Several spec reads later (each worker reads it every second), still one event per worker.
+    fleet.wait_for(lambda: len(fleet.statuses()) == gpus and all(s.ts > refused_at + 3 for s in fleet.statuses()),
+                   30, "a few more seconds of every worker's life")
+    assert len(fleet.events("spec_refused")) == gpus
+    assert all(s.state == "serving" and s.generation == 0 for s in fleet.statuses())
+    assert all(fleet.worker_log(g).count("added_by_a_newer_version") == 1 for g in range(gpus))
+    fleet.wait_for(lambda: fleet.finished() >= n, 120, "every prompt of the first batch")
+
+    # Restarted workers meet the same record: they start on their configuration and serve.
+    assert fleet.stop_all() == {g: 0 for g in range(gpus)}
+    more = write_prompts(tmp_path / "more.jsonl", 60, max_tokens=64, start=n)
+    fleet.producer("enqueue", "more.jsonl", "--queues", fleet.queues)
+    for g in range(gpus):
+        fleet.start_worker(g)
+    fleet.wait_for(lambda: fleet.finished() >= n + 60, 120, "every prompt after the restart")
+    assert fleet.stop_all() == {g: 0 for g in range(gpus)}
+    refused = fleet.events("spec_refused")
+    assert len(refused) == 2 * gpus and len({e.source for e in refused}) == 2 * gpus
+    assert "strategy 'bogus'" in refused[0].message
+    by_id = export(fleet, tmp_path)
+    assert sorted(by_id) == sorted(r["id"] for r in rows + more) and fleet.stats()["succeeded"] == n + 60
+
+
+# --- 8.1: a job is data ----------------------------------------------------------------------------------
+class Listener:
+    """A TCP listener that records every connection it gets: forged jobs must not reach it."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.seen: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(1.0)
+                try:
+                    self.seen.append(conn.recv(65536) or b"<connected>")
+                except OSError:
+                    self.seen.append(b"<connected>")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+def _forge(r, queue: str, jid: str, payload: object, *, raw: bytes | None = None) -> str:
+    """Write a job into Redis as someone with write access could, bypassing the producer."""
+    data = raw if raw is not None else orjson.dumps(["batchfleet.jobs.generate", None, [payload], {}])
+    r.hset(Keys.job(jid), mapping={"data": data, "origin": queue, "status": "queued", "description": "forged"})
+    r.rpush(Keys.queue(queue), jid)
+    return jid
+
+
+def test_forged_jobs_are_refused_and_the_server_key_goes_nowhere_else(tmp_path, fleets):
+    import zlib
+
+    key, n = "sekrit-server-key-123", 20
+    listener = Listener()
+    try:
+        fleet = fleets(run="forge", prefix="forge.", gpus=1, env={"BATCHFLEET_SERVER_API_KEY": key})
+        rows = write_prompts(tmp_path / "prompts.jsonl", n)
+        fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+        q, there = fleet.queue(0), f"http://127.0.0.1:{listener.port}"
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+        def job(cid: str, **over: object) -> dict:
+            return {"cid": cid, "seq": 999, "url": "/v1/chat/completions", "body": chat, "run": "forge", **over}
+
+        bomb = zlib.compress(b'["batchfleet.jobs.generate", null, [{"cid": "' + b" " * 40_000_000 + b'"}], {}]')
+        forged = [
+            _forge(fleet.r, q, job_id_for("forge", "abs"), job("abs", url=there + "/v1/chat/completions")),
+            _forge(fleet.r, q, job_id_for("forge", "rel"), job("rel", url=f"//127.0.0.1:{listener.port}/x")),
+            _forge(fleet.r, q, job_id_for("forge", "dots"), job("dots", url="/v1/chat/completions/../../exfil")),
+            _forge(fleet.r, q, job_id_for("", "norun"), {k: v for k, v in job("norun").items() if k != "run"}),
+            _forge(fleet.r, q, job_id_for("other", "other"), job("other", run="other")),
+            _forge(fleet.r, q, "bf-000000000000000000000000", job("p0")),  # a second p0 under another id
+            _forge(fleet.r, q, job_id_for("forge", "key"), job("key", body={**chat, "api_base": there})),
+            _forge(fleet.r, q, job_id_for("forge", "stream"), job("stream", body={**chat, "stream": True})),
+            _forge(fleet.r, q, job_id_for("forge", "shape"), job("shape", body={"prompt": "x"})),
+            _forge(fleet.r, q, "bf-sys", None, raw=orjson.dumps(["os.system", None, ["touch /tmp/pwned"], {}])),
+            _forge(fleet.r, q, "bf-bomb", None, raw=bomb),
+        ]
+        fleet.start_worker(0)
+        fleet.wait_for(lambda: fleet.finished() >= n and int(fleet.r.hget(fleet.k.stats, "refused") or 0)
+                       >= len(forged), 60, "the prompts to run and the forged jobs to be refused")
+        assert fleet.stop_all() == {0: 0}
+
+        assert listener.seen == []  # nothing (and so no key) ever went anywhere else
+        record = fleet.sim_record(0)
+        assert sum(record["requests_by_endpoint"].values()) == n  # the server saw the real prompts only
+        stats = fleet.stats()
+        assert stats["refused"] == len(forged) and stats["succeeded"] == n and stats.get("failed", 0) == 0
+        for jid in forged:  # refused: RQ's failed registry says why; never a result
+            assert fleet.r.hget(Keys.job(jid), "exc_info").startswith(b"refused: ")
+        assert fleet.r.zcard(Keys.failed(q)) == len(forged)
+        by_id = export(fleet, tmp_path)
+        assert sorted(by_id) == sorted(r["id"] for r in rows)
+        assert all(x["error"] is None for x in by_id.values())
+        log = fleet.worker_log(0)
+        assert "not on batchfleet's allow-list" in log and "unknown url" in log and "names no run" in log
+        assert "inflates past" in log and "job id is not the one" in log
+    finally:
+        listener.close()
+
+
+# --- 8.3: RQ's pubsub shutdown command ---------------------------------------------------------------------
+def test_rq_shutdown_command_drains_and_exits_nonzero_so_it_is_restarted(tmp_path, fleets):
+    from rq.command import send_shutdown_command
+
+    n = 60
+    fleet = fleets(run="shut", prefix="shut.", gpus=1, env={"SGLANG_SIM_TIME_SCALE": "2",
+                                                            "BATCHFLEET_SHUTDOWN_GRACE_S": "0.5"})
+    rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=400)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    proc = fleet.start_worker(0)
+    fleet.wait_for(lambda: fleet.r.zcard(fleet.k.leases) >= 5, 60, "prompts in flight")
+    (name,) = [s.worker for s in fleet.statuses()]
+    channel = f"rq:pubsub:{name}"
+    # Garbage and commands without meaning here are data: ignored, and later commands still heard.
+    fleet.r.publish(channel, b"\xff not json")
+    fleet.r.publish(channel, orjson.dumps({"command": "kill-horse"}))
+    fleet.wait_for(lambda: fleet.worker_log(0).count("ignored an RQ pubsub message") == 2, 30, "both ignored")
+    assert proc.poll() is None
+    server_pid = fleet.sim_record(0)["pid"]
+    send_shutdown_command(fleet.r, name)
+    assert proc.wait(60) == 75  # nonzero: a restart-on-failure policy starts it again
+    # Drained: nothing half-done; every prompt finished or back in its queue.
+    assert fleet.r.zcard(fleet.k.leases) == 0 and fleet.r.zcard(Keys.started(fleet.queue(0))) == 0
+    assert fleet.finished() + fleet.r.llen(Keys.queue(fleet.queue(0))) == n
+    assert int(fleet.r.hget(fleet.k.stats, "handed_back") or 0) >= 1
+    assert [e.data["exit_code"] for e in fleet.events("shutdown_command")] == [75]
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
+
+    fleet.start_worker(0)  # what systemd's Restart=on-failure does
+    fleet.wait_for(lambda: fleet.finished() >= n, 120, "every prompt after the restart")
+    assert fleet.stop_all() == {0: 0}
+    by_id = export(fleet, tmp_path)
+    assert sorted(by_id) == sorted(r["id"] for r in rows) and fleet.stats()["succeeded"] == n
+
+
+# --- 12: leases on Redis's clock ---------------------------------------------------------------------------
+def test_workers_with_clocks_minutes_off_recover_nothing_early_and_nothing_late(tmp_path, fleets):
+    n, ttl = 90, 6.0
+    fleet = fleets(run="clock", prefix="clock.", gpus=3, env={"SGLANG_SIM_TIME_SCALE": "2",
+                                                              "BATCHFLEET_LEASE_TTL_S": str(ttl)})
+    rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=300)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    offsets = {0: 0.0, 1: 600.0, 2: -600.0}  # one on time, one ten minutes ahead, one ten behind
+    for g, off in offsets.items():
+        fleet.start_worker(g, env={"BATCHFLEET_TEST_CLOCK_OFFSET_S": str(off)})
+    fleet.wait_for(lambda: fleet.r.zcard(fleet.k.leases) >= 30, 60, "all three workers with prompts in flight")
+
+    # Every lease expires within one lease time of Redis's clock, whoever wrote it.
+    redis_now = float("{}.{:06d}".format(*fleet.r.time()))
+    scores = [s for _, s in fleet.r.zrange(fleet.k.leases, 0, -1, withscores=True)]
+    assert all(s <= redis_now + ttl + 0.01 for s in scores), (redis_now, sorted(scores)[-3:])
+    assert all(s > redis_now - 60 for s in scores), (redis_now, sorted(scores)[:3])
+    fleet.wait_for(lambda: fleet.finished() >= 30, 120, "a third of the prompts")
+    assert int(fleet.r.hget(fleet.k.stats, "recovered") or 0) == 0  # no live worker's prompt was taken early
+    # Status records carry each worker's own (skewed) clock: proof the offsets were applied.
+    ts = {s.worker.split(".")[-2]: s.ts for s in fleet.statuses()}
+    assert ts["gpu1"] - ts["gpu0"] > 500 and ts["gpu0"] - ts["gpu2"] > 500
+
+    # The on-time and the ahead worker die; only the one ten minutes behind is left to recover.
+    held = {m.decode().rsplit(":", 1)[0] for m in fleet.r.zrange(fleet.k.leases, 0, -1)}
+    victims = {jid for jid in held if fleet.r.hget(Keys.job(jid), "worker_name").decode().split(".")[-2]
+               in ("gpu0", "gpu1")}
+    for g in (0, 1):
+        fleet.workers[g].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    fleet.wait_for(lambda: int(fleet.r.hget(fleet.k.stats, "recovered") or 0) >= len(victims), 60,
+                   "the skewed worker to recover the dead workers' prompts")
+    recovered_after = time.monotonic() - killed
+    period = ttl / 3
+    assert recovered_after >= ttl - period - 0.5, recovered_after  # not early (a lease lives ttl past renewal)
+    fleet.wait_for(lambda: fleet.finished() >= n, 180, "every prompt")
+    assert fleet.stop_all()[2] == 0
+    stats = fleet.stats()
+    assert stats["succeeded"] == n
+    by_id = export(fleet, tmp_path)
+    assert sorted(by_id) == sorted(r["id"] for r in rows)
+    print(f"\nclock skew ±600 s: {len(victims)} prompts of two killed workers recovered {recovered_after:.1f} s after "
+          f"the kill by the worker 10 min behind (lease {ttl:.0f} s, renewed every {period:.0f} s)")

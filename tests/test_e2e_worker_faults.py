@@ -443,8 +443,8 @@ def test_forged_jobs_are_refused_and_the_server_key_goes_nowhere_else(tmp_path, 
 def test_rq_shutdown_command_drains_and_exits_nonzero_so_it_is_restarted(tmp_path, fleets):
     from rq.command import send_shutdown_command
 
-    n = 60
-    fleet = fleets(run="shut", prefix="shut.", gpus=1, env={"SGLANG_SIM_TIME_SCALE": "2",
+    n = 36
+    fleet = fleets(run="shut", prefix="shut.", gpus=1, env={"SGLANG_SIM_TIME_SCALE": "3",
                                                             "BATCHFLEET_SHUTDOWN_GRACE_S": "0.5"})
     rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=400)
     fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)

@@ -149,3 +149,59 @@ def test_a_job_of_another_run_is_refused_loudly_not_misfiled(r, redis_url):
     assert not r.exists(f"rq:job:{mine.id}")
     assert "run 'someone-else'" in r.hget(Keys.job(other), "exc_info").decode()
     assert list(results(r)) == ["y"]
+
+
+def test_a_server_death_strikes_only_the_prompts_inside_it(r, redis_url):
+    """c0, c1: sent, no answer yet (inside the server when it dies); c2: answered 503, waiting to retry;
+    c3: never reached it (connection refused). Only c0 and c1 get a strike."""
+    import httpx
+
+    enqueue(r, 4)
+    k = Keys("t")
+
+    class Dying:
+        def __init__(self) -> None:
+            self.started: set[str] = set()
+
+        async def __call__(self, prompt: Prompt) -> dict:
+            self.started.add(prompt.cid)
+            if prompt.cid == "c2":
+                raise RetryableError("HTTP 503: The request queue is full.", status_code=503)
+            if prompt.cid == "c3":
+                try:
+                    raise httpx.ConnectError("connection refused")
+                except httpx.ConnectError as exc:
+                    raise RetryableError(f"ConnectError: {exc}") from exc
+            await asyncio.Event().wait()  # inside the server until it dies
+            raise AssertionError("unreachable")
+
+    async def go():
+        client = aioredis.from_url(redis_url)
+        ledger = Ledger(client, k, worker="w", lease_ttl_s=15)
+        backend = Dying()
+        d = Dispatcher(ledger, backend, config=Config(run="t"), worker="w", queues=lambda: ["gpu0"])
+
+        async def parked(_s: float) -> None:
+            await asyncio.Event().wait()
+
+        d.retry_sleep = parked
+        await d.slots.resize(4)
+        d.accepting.set()
+        claiming = asyncio.create_task(d.run())
+        while len(backend.started) < 4:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        outcome = await d.server_lost(reason="gpu0: server exited with status 1", log_tail="CUDA error")
+        claiming.cancel()
+        await asyncio.gather(claiming, return_exceptions=True)
+        await client.aclose()
+        return d, outcome
+
+    d, outcome = asyncio.run(go())
+    ids = {f"c{i}": job_id_for("t", f"c{i}") for i in range(4)}
+    assert (outcome.struck, outcome.handed_back, outcome.quarantined) == (2, 2, [])
+    assert (d.struck, d.handed_back, d.in_flight) == (2, 2, 0)
+    assert sorted(r.lrange(k.suspects, 0, -1)) == sorted([ids["c0"].encode(), ids["c1"].encode()])
+    assert sorted(r.lrange("rq:queue:gpu0", 0, -1)) == sorted([ids["c2"].encode(), ids["c3"].encode()])
+    assert {f.decode(): int(v) for f, v in r.hgetall(k.strikes).items()} == {ids["c0"]: 1, ids["c1"]: 1}
+    assert r.zcard(k.leases) == 0 and r.xlen(k.results) == 0

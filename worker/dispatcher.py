@@ -20,8 +20,10 @@ loop resumes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -106,7 +108,7 @@ class Dispatcher:
         redis_wait_s = 0.5
         while True:
             await self.accepting.wait()
-            await self.checked.wait()
+            await self._wait_checked()
             if self._solo is not None:  # a prompt runs alone: nothing else until it is done
                 await asyncio.wait({self._solo})
                 continue
@@ -262,6 +264,15 @@ class Dispatcher:
         self.trouble.clear()
         self.checked.set()
 
+    async def _wait_checked(self) -> None:
+        """Wait until the keeper has looked at the server after a request got no answer. Without a
+        keeper (tests, benchmarks) nobody looks: go on after a while if the server is said to be fine."""
+        while not self.checked.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.checked.wait(), timeout=5.0)
+            if not self.checked.is_set() and self.server_ok():
+                self.server_checked()
+
     async def _until_server_ok(self) -> None:
         """Wait while the server is down or paused (a death is collected by `server_lost`, which
         cancels this wait; a drain hands the prompt back)."""
@@ -409,6 +420,4 @@ class Dispatcher:
 
 
 def _wall_clock() -> float:
-    import time
-
     return time.time()

@@ -22,7 +22,7 @@ import redis
 
 from batchfleet import sglang
 from batchfleet.config import Config
-from batchfleet.errors import ConfigError, ServerDied, ServerStartError
+from batchfleet.errors import ConfigError, JobRefused, ServerDied, ServerStartError
 from batchfleet.records import ENDPOINTS, Prompt, WorkerState
 
 from .dispatcher import Dispatcher
@@ -79,7 +79,7 @@ class ServerKeeper:
         allow-list only (a relative path: nothing can send the server's key elsewhere)."""
         assert self.http is not None
         if prompt.url not in ENDPOINTS:
-            raise ValueError(f"refusing to send a request to {prompt.url!r}")
+            raise JobRefused(f"refusing to send a request to {prompt.url[:100]!r}")
         return await sglang.complete(self.http, prompt.url, prompt.body)
 
     async def close(self) -> None:

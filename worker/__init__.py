@@ -111,7 +111,9 @@ class GPUWorker(BaseWorker):
             command = None
         if command == "shutdown":
             service = getattr(self, "_service", None)
-            if service is not None:
+            if service is None:
+                log.warning("RQ shutdown command before the worker started serving: ignored")
+            else:
                 service.request_stop("RQ shutdown command")
             return
         log.warning("ignored an RQ pubsub message on %s: %.80r", self.pubsub_channel_name,

@@ -48,12 +48,13 @@ def write_seed_prompts(path: Path, n: int, *, min_tokens: int = 200, max_tokens:
 
 
 class SupervisorProc:
-    """`supervisor run` as a real subprocess against the fleet's Redis and run."""
+    """`supervisor watch` (the autopilot; console lines, as stdout is not a terminal) as a real
+    subprocess against the fleet's Redis and run."""
 
-    def __init__(self, fleet: Fleet, *args: str) -> None:
+    def __init__(self, fleet: Fleet, *args: str, command: str = "watch") -> None:
         self.fleet = fleet
         self.log = fleet.tmp / "supervisor.log"
-        self.proc = subprocess.Popen([str(BIN / "supervisor"), "run", *args], env=fleet.env, cwd=fleet.tmp,
+        self.proc = subprocess.Popen([str(BIN / "supervisor"), command, *args], env=fleet.env, cwd=fleet.tmp,
                                      stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
 
     def stop(self) -> int | None:

@@ -143,7 +143,7 @@ class GPUService:
             if self._restarting is not None:
                 await self._event("restarted", f"gpu{self.gpu} now serves {spec.describe()} (generation "
                                   f"{spec.generation}) with {capacity} slots", **self._restarting, capacity=capacity,
-                                  generation=spec.generation, strategy=spec.strategy,
+                                  generation=spec.generation, strategy=spec.strategy, queue=self.queue,
                                   downtime_s=round(time.monotonic() - self._restarting["since"], 2))
                 self._restarting = None
             try:
@@ -209,12 +209,13 @@ class GPUService:
     async def _desired_spec(self) -> ServerSpec:
         """What the supervisor asks of this worker's server; the configuration when it asks nothing."""
         try:
-            mine, fleet = await self.r.hmget(self.k.control, Keys.control_worker(self.worker), Keys.CONTROL_FLEET)
+            mine, legacy, fleet = await self.r.hmget(self.k.control, Keys.control_queue(self.queue),
+                                                     Keys.control_worker(self.worker), Keys.CONTROL_FLEET)
         except (redis.RedisError, OSError) as exc:
             # Redis away: keep serving what runs now (or the configuration at first start).
             log.warning("cannot read the desired server spec (%s); keeping the current one", exc)
             return self.server.spec if self.server.running else self._configured_spec()
-        for field, raw in (("override", mine), ("fleet", fleet)):
+        for field, raw in (("override", mine), ("override", legacy), ("fleet", fleet)):
             if not raw:
                 continue
             try:
@@ -331,6 +332,7 @@ class GPUService:
             worker=self.worker, host=HOST, queue=self.queue, gpu=self.gpu, state=self.state,
             server_url=self.server.url, strategy=self.server.spec.strategy, server_flags=self.server.flags,
             generation=self.server.spec.generation, effective_max=self.server.capacity,
+            slots=self.dispatcher.slots.capacity, facts=self.server.facts,
             in_flight=self.dispatcher.in_flight, done=self.dispatcher.done, failed=self.dispatcher.failed,
             tokens_per_s=round(self.tokens_per_s(), 1), metrics=self.metrics, message=self.message)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import httpx
 import redis.asyncio as aioredis
@@ -48,7 +50,7 @@ async def scrape_metrics(client: httpx.AsyncClient) -> ServerMetrics:
         return ServerMetrics()
     if resp.status_code != 200:
         return ServerMetrics()
-    return sglang.parse_metrics(resp.text)
+    return replace(sglang.parse_metrics(resp.text), ts=time.time())
 
 
 HOST = socket.gethostname()

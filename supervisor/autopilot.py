@@ -317,8 +317,8 @@ class Autopilot:
         decide_s = round(now - st.stall_since, 1)
         if self.s.dry_run:
             self._note("fleet", "advice:" + prop.target.describe(), "advice", f"advice (dry run): move {cur} -> "
-                       f"{prop.target.describe()}, predicted capacity x{prop.ratio:.2f}", seen=seen,
-                       why=why, windows=st.stall, decide_s=decide_s)
+                       f"{prop.target.describe()}, predicted capacity x{prop.ratio:.2f} ({evidence})", seen=seen,
+                       why=why, windows=st.stall, decide_s=decide_s, evidence=evidence)
             return
         target = replace(prop.target, generation=control.next_generation())
         st.baseline, st.target, st.predicted, st.bar = asdict(control.current), asdict(target), prop.ratio, bar

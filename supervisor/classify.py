@@ -264,6 +264,10 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, si
     if backlog == 0:
         return DRAINING, ["no backlog left in Redis"], ""
     a = _aggregate(serving)
+    if 2 * len(serving) < len(samples) and a.offered < a.cap - th.tolerance(a.cap):
+        # It began serving (again) late in this window: its worker is still taking work, not slow.
+        return CLIENT_BOUND, [f"running {a.running:.0f} of {a.cap}: serving since late in this window",
+                              f"the worker is still filling its {a.limit} slots"], "filling"
     tol = th.tolerance(a.cap)
     if a.offered < a.cap - tol:
         if backlog < short_of:

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
         return 2
-    r = connect(config.redis_url)
+    r = connect(config.redis_url, socket_timeout_s=15.0)  # a Redis that stops answering is an outage, not a hang
     k = Keys(config.run)
     long_running = args.command == "run" or (args.command == "watch" and not args.once)
     if not long_running:  # the autopilot waits for Redis rather than exit on a blip

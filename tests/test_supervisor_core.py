@@ -517,3 +517,12 @@ def test_verification_waits_for_steady_windows_and_says_so_when_there_are_none()
     acts = drive(pilot, filling, ctl)
     (v,) = emitted(acts, "verified")
     assert v.message.startswith("unverified") and "not every server is full" in v.message
+
+
+def test_a_server_that_began_serving_late_in_the_window_is_filling_not_slow():
+    def make(t: float) -> list[WorkerStatus]:
+        return [ws(0, t=t, in_flight=0, state="serving" if t >= 3 else "starting")]
+    (v,) = classify_window(window(make)).servers
+    assert v.cls == "client-bound" and v.filling
+    pilot = Autopilot(Settings(), LadderConfig())
+    assert not emitted(pilot.step(classify_window(window(make)), control(), 4.0), "diagnosis")

@@ -69,9 +69,12 @@ class SupervisorProc:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    @staticmethod
+    def events_of(fleet: Fleet) -> list[Event]:
+        return [Event.from_json(f[b"e"]) for _, f in fleet.r.xrange(fleet.k.events)]
+
     def events(self, kind: str | None = None) -> list[Event]:
-        evs = [Event.from_json(f[b"e"]) for _, f in self.fleet.r.xrange(self.fleet.k.events)]
-        return [e for e in evs if kind is None or e.kind == kind]
+        return [e for e in self.events_of(self.fleet) if kind is None or e.kind == kind]
 
     def wait_event(self, kind: str, timeout_s: float) -> Event:
         def found() -> bool:

@@ -139,7 +139,8 @@ class ServerView:
 
     @property
     def serving(self) -> bool:
-        return self.state == WorkerState.SERVING
+        """Serving, as far as anyone can tell: a silent record (its worker gone) says nothing now."""
+        return self.state == WorkerState.SERVING and self.cls != Cls.SILENT
 
     def steady_since(self, generation: int | None = None) -> float | None:
         """The start of the trailing run of samples where this server served (`generation`) and its

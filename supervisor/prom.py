@@ -1,4 +1,4 @@
-"""The fleet's metrics for Prometheus (`supervisor run --metrics-port P`), on a private registry so
+"""The fleet's metrics for Prometheus (`supervisor watch --metrics-port P`), on a private registry so
 nothing of the supervisor process itself leaks in."""
 
 from __future__ import annotations

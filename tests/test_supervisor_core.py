@@ -526,3 +526,13 @@ def test_a_server_that_began_serving_late_in_the_window_is_filling_not_slow():
     assert v.cls == "client-bound" and v.filling
     pilot = Autopilot(Settings(), LadderConfig())
     assert not emitted(pilot.step(classify_window(window(make)), control(), 4.0), "diagnosis")
+
+
+def test_a_canary_whose_worker_went_silent_is_waited_for_not_judged():
+    """Its last record says serving at full capacity, but its counter is frozen: judging it would
+    roll back a change that may well gain."""
+    pilot = seed_pilot()
+    snaps = canary_windows([2, 3, 4], tps=0)
+    snaps = [[replace(s, silent=frozenset({"w0"})) for s in w] for w in snaps]
+    acts = drive(pilot, [restarting(1), *snaps], control(seen_generation=1))
+    assert not emitted(acts, "rollback") and not emitted(acts, "canary") and pilot.state.phase == "canary"

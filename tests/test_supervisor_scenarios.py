@@ -269,3 +269,30 @@ def test_the_radix_off_rung(tmp_path, redis_url):
     assert "--disable-radix-cache" in fleet.sim_record(0)["argv"]
     assert verified.data["ratio"] and verified.data["ratio"] > 1.2, sup.output()
     assert exactly_once(fleet, n) == (0, 0)
+
+
+def test_a_worker_follows_a_new_spec_at_once_even_while_its_health_probe_waits(tmp_path, redis_url):
+    """A full server with long generations finishes nothing for a long while, so the worker probes its
+    health with a real generation, which waits for a free slot. The canary's new spec must not wait
+    behind that probe (measured: 14 s on the 8-GPU seed run, until the server's probe timed out): the
+    probe is dropped, not failed (no health-check miss is logged), and the restart starts before any
+    prompt could finish (the first one needs ~200 s here), with every in-flight prompt handed back."""
+    fleet = Fleet(tmp_path, redis_url, run="probe", gpus=1,
+                  env={**seed_env(1), "BATCHFLEET_HEALTH_INTERVAL_S": "1", "BATCHFLEET_SHUTDOWN_GRACE_S": "1"})
+    write_seed_prompts(tmp_path / "prompts.jsonl", 40, min_tokens=3000, max_tokens=3000)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    try:
+        fleet.start_worker(0)
+        fleet.wait_for(lambda: any(s.in_flight == 37 for s in fleet.statuses()), 60, "a full server")
+        time.sleep(3)  # the worker's health probe (every 1 s while nothing finishes) is now waiting for a slot
+        fleet.r.hset(fleet.k.control, Keys.control_queue("gpu0"),
+                     ServerSpec(generation=1, strategy="no_buffer", mem_fraction_static=0.9).to_json())
+        fleet.wait_for(lambda: any(e.kind == "restarted" for e in SupervisorProc.events_of(fleet)), 60,
+                       "the worker to restart on the new spec")
+        finished = fleet.finished()
+        (restarted,) = [e for e in SupervisorProc.events_of(fleet) if e.kind == "restarted"]
+        log = fleet.worker_log(0)
+    finally:
+        fleet.stop_all()
+    assert "health check failed" not in log, log  # it waited for its probe to time out
+    assert finished == 0 and restarted.data["handed_back"] == 37 and restarted.data["capacity"] == 72

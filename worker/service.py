@@ -177,7 +177,8 @@ class GPUService:
                 continue
             try:
                 # Nothing finished lately: idle, or stuck. Ask for a real generation.
-                await self.server.check_health(self._http, timeout_s=max(20.0, 2 * self.config.health_interval_s))
+                if await self._probe_unless_respecified():
+                    return
                 misses = 0
             except ServerDied as exc:
                 if not self.server.running:
@@ -189,6 +190,25 @@ class GPUService:
 
     def _finished(self) -> int:
         return self.dispatcher.done + self.dispatcher.failed
+
+    async def _probe_unless_respecified(self) -> bool:
+        """The health probe (raises ServerDied), while still following the supervisor: on a full
+        server with long generations the probe waits for a free slot, many seconds; a new spec asked
+        meanwhile cancels it (True) instead of waiting behind it."""
+        probe = asyncio.ensure_future(
+            self.server.check_health(self._http, timeout_s=max(20.0, 2 * self.config.health_interval_s)))
+        try:
+            while True:
+                done, _ = await asyncio.wait({probe}, timeout=1.0)
+                if done:
+                    probe.result()
+                    return False
+                if (await self._desired_spec()).generation != self.server.spec.generation:
+                    return True
+        finally:
+            if not probe.done():
+                probe.cancel()
+                await asyncio.wait({probe}, timeout=5)
 
     async def _restart_for_new_spec(self) -> None:
         """Drain (in-flight prompts finish up to the deadline, the rest go back to their queue), stop

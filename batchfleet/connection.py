@@ -7,16 +7,19 @@ import redis
 __all__ = ["connect", "redacted"]
 
 
-def connect(url: str, *, decode: bool = False) -> redis.Redis:
+def connect(url: str, *, decode: bool = False, socket_timeout_s: float | None = None) -> redis.Redis:
     """A client for `url`; `rediss://` turns TLS on, `redis://user:pass@host/db` authenticates.
 
     A health check every 30 s and a socket timeout keep a long-lived worker from hanging on a dead
-    connection (RQ's blocking reads use their own timeouts)."""
+    connection (RQ's blocking reads use their own timeouts). `socket_timeout_s` bounds every command
+    for a process that never blocks on purpose (the supervisor): a Redis that stops answering is then
+    an error it can ride out, not a hang."""
     return redis.Redis.from_url(
         url,
         decode_responses=decode,
         health_check_interval=30,
         socket_connect_timeout=10,
+        socket_timeout=socket_timeout_s,
         socket_keepalive=True,
     )
 

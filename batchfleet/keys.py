@@ -20,7 +20,7 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | bf:<run>:workers | set | worker | names of workers that published a status record |
 | bf:<run>:status:<worker> | string | worker | the worker's latest status record (expires) |
 | bf:<run>:events | stream | supervisor/worker | `Event`s (field `e`): decisions and restarts (capped) |
-| bf:<run>:control | hash | supervisor | desired `ServerSpec`: field `fleet`, and `worker:<name>` overrides |
+| bf:<run>:control | hash | supervisor | desired `ServerSpec`: field `fleet`, `queue:<queue>` overrides (one GPU) |
 | bf:<run>:history | stream | supervisor | fleet samples (field `s`) for `supervisor report` (capped) |
 | bf:<run>:autopilot | string | supervisor | the autopilot's state (phase, changes tried and failed) |
 
@@ -142,7 +142,17 @@ class Keys:
 
     CONTROL_FLEET = "fleet"
 
+    CONTROL_QUEUE_PREFIX = "queue:"
+    CONTROL_WORKER_PREFIX = "worker:"
+
+    @staticmethod
+    def control_queue(queue: str) -> str:
+        """The field of `control` that overrides the fleet's spec for the GPU serving `queue`: a stable
+        identity (queue names are unique in a run), so a worker restarted under a new name (its pid is
+        in it) still finds what was asked of its GPU."""
+        return Keys.CONTROL_QUEUE_PREFIX + queue
+
     @staticmethod
     def control_worker(worker: str) -> str:
-        """The field of `control` that overrides the fleet's spec for one worker."""
-        return "worker:" + worker
+        """Legacy per-worker-name override field (written by older supervisors); still honoured."""
+        return Keys.CONTROL_WORKER_PREFIX + worker

@@ -4,9 +4,12 @@
 - `Result`: one per finished prompt, success or final failure; workers append it to the results
   stream, the collector stores it, `producer export` writes it as an OpenAI batch output line.
 - `WorkerStatus`: what each worker publishes every few seconds; the supervisor reads only these.
+  Its `facts` (`ServerFacts`) are what the server said about itself at start-up: pool sizes, the
+  cap and what caused it; they do not change while the server lives.
 - `Event`: a decision or restart, for `supervisor watch` and the audit trail.
 - `ServerSpec`: the server configuration the supervisor wants, with its generation number
-  (`Keys.control`: field `fleet` for every worker, `worker:<name>` to override one, e.g. a canary).
+  (`Keys.control`: field `fleet` for every worker, `queue:<queue>` to override one GPU, e.g. a canary;
+  keyed by queue, not worker name, so a restarted worker finds what was asked of its GPU).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = [
     "Prompt",
     "RecordError",
     "Result",
+    "ServerFacts",
     "ServerMetrics",
     "ServerSpec",
     "WorkerState",
@@ -214,6 +218,33 @@ class ServerMetrics:
     gen_throughput: float | None = None
     retracted: float | None = None  # sglang:num_retracted_requests_total
     generation_tokens_total: float | None = None
+    ts: float | None = None  # when the worker scraped these (its clock): rates pair a counter with this
+
+
+# What caps a server's concurrency, as its start-up sizing decided (ServerFacts.cap_cause).
+CAP_MAMBA, CAP_KV, CAP_REQUESTED = "mamba", "kv", "requested"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFacts:
+    """What a server said about itself when it started (`/server_info` and its start-up log): static
+    for the server's life. None: the server did not say. Sums over data-parallel ranks."""
+
+    effective_max_running: int = 0
+    requested_max_running: int | None = None  # --max-running-requests as asked (top-level server_info)
+    cap_cause: str = ""  # CAP_MAMBA | CAP_KV | CAP_REQUESTED | "" (unknown)
+    mamba_pool: int | None = None  # max_mamba_cache_size: state slots
+    slots_per_request: int | None = None  # mamba state slots reserved per running request (5, 4, 3, 1)
+    max_total_num_tokens: int | None = None  # the KV pool, in tokens
+    context_len: int | None = None
+    strategy: str = ""  # the mamba strategy the server resolved (auto -> extra_buffer / no_buffer)
+    radix_cache: bool = True
+    mem_fraction_static: float | None = None  # as resolved by the server
+    memory_before_load_gb: float | None = None  # GPU memory free before the weights loaded
+    weight_gb: float | None = None
+    kv_gb: float | None = None  # the KV pool
+    mamba_gb: float | None = None  # the mamba state pool (conv + ssm)
+    version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,11 +259,14 @@ class WorkerStatus:
     server_flags: list[str] = field(default_factory=list)
     generation: int = 0  # the control generation this worker's server runs
     effective_max: int = 0
+    slots: int = 0  # the worker's in-flight limit (its semaphore): capacity + surplus, or a lower cap
+    surplus: int = 0  # requests the worker keeps waiting inside the server beyond its capacity, on purpose
     in_flight: int = 0
     done: int = 0
     failed: int = 0
     tokens_per_s: float = 0.0  # completion tokens/s measured by the worker over its last window
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    facts: ServerFacts | None = None  # None until the server has started (or from an older worker)
     message: str = ""
     ts: float = field(default_factory=time.time)
 

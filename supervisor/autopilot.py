@@ -1,44 +1,75 @@
-"""The autopilot's state machine. Pure: it gets one classified window at a time and answers with
-actions (write a spec, emit an event); `run.py` applies them to Redis.
+"""The autopilot's state machine. Pure: it gets one classified window at a time (and the events seen
+since the last one) and answers with actions (write a spec, drop stale overrides, emit an event);
+`run.py` applies them to Redis.
 
-    observing ──N stalled windows, a rung to climb, worth it──▶ canary ──gained──▶ rolling_out ──▶ verifying
-        ▲                          (--dry-run: advice only)        │ not gained / down       (a few        │
-        │                                                          ▼                         at a time)    │
-        └──────────────────────────── rolled back (change remembered as failed) ◀───────────────────────────┘
+    observing ──stalled (1 window on start-up facts, N on gauges), a rung, worth it──▶ canary
+        ▲                                  (--dry-run: advice only)                       │
+        │            ┌─────── gained (steady windows, same-window peers, bar) ────────────┘
+        │            ▼                                     not gained / down / timed out (back-off)
+        │       rolling_out ── a few at a time; absent workers do not block; timeout: carry on
+        │            ▼
+        └──── verifying ── steady windows after every server filled; timeout: say so
+        └──────────────── rolled back: the rung may be retried after a back-off, with a higher bar
 
-Generations only ever increase: the canary and each rolled-out worker get a per-worker override
-with the new generation; when all serve it, the same spec becomes the fleet's and the overrides
-go. A rollback writes the old spec under a newer generation to the workers that moved.
+**Steady windows only.** The canary is judged on samples taken after its worker filled it to its new
+capacity, against its peers over the very same intervals (both feel the same CPU contention, the same
+Redis); a window where the canary or every peer is not full is *confounded*: not measured, and the
+autopilot measures longer rather than roll back. Rates are the servers' own generation counters over
+those intervals (each worker's counter paired with its own clock).
+
+**Stable identity.** Overrides are keyed by queue (`queue:<queue>`): a GPU's identity in the run,
+which survives a worker killed and restarted under a new name. Generations only ever increase: the
+canary and each rolled-out queue get an override with the new generation; when all present servers
+serve it, the same spec becomes the fleet's and the overrides go. A rollback writes the old spec
+under a newer generation to the queues that moved. Every phase has a timeout.
+
+**Learned cost.** The worth-it test (time saved ≥ factor × one server's restart cost) starts from
+`--restart-cost` and switches to what the canary's restart measured (its downtime plus its time to
+fill again) as soon as there is one.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 import orjson
 
-from batchfleet.records import Event, ServerSpec
+from batchfleet.keys import Keys
+from batchfleet.records import Event, RecordError, ServerSpec, decode
 
-from .classify import CLIENT_BOUND, DOWN, HUNG, KV_BOUND, MAMBA_BOUND, WindowReport
+from .classify import CLIENT_BOUND, DOWN, HUNG, KV_BOUND, MAMBA_BOUND, SILENT, ServerView, WindowReport
 from .ladder import LadderConfig, next_rung, spec_key
 
-__all__ = ["Autopilot", "Control", "Emit", "SetFleet", "SetOverride", "Settings", "State"]
+__all__ = ["Autopilot", "Control", "DropFields", "Emit", "Phase", "SetFleet", "SetOverride", "Settings", "State"]
 
-PROBLEMS = (CLIENT_BOUND, HUNG, DOWN, KV_BOUND)  # worth a diagnosis line when a server enters one
+PROBLEMS = (CLIENT_BOUND, HUNG, DOWN, KV_BOUND, SILENT)  # worth a diagnosis line when a server enters one
+
+
+class Phase(StrEnum):
+    OBSERVING = "observing"
+    CANARY = "canary"
+    ROLLING_OUT = "rolling_out"
+    VERIFYING = "verifying"
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    windows: int = 3  # consecutive mamba-bound windows (for most serving servers) before acting
+    windows: int = 3  # consecutive mamba-bound windows (most serving servers) when only gauges say so
+    static_windows: int = 1  # ... when the servers' start-up facts say their mamba pool caps them
     dry_run: bool = False
-    restart_cost_s: float = 300.0  # one server's downtime when restarted (drain + load + warm-up), a guess
+    restart_cost_s: float = 300.0  # one server's restart cost until the canary measured one
     worth_factor: float = 2.0  # the time saved must exceed the restart cost this many times
-    margin: float = 0.2  # the canary must beat its peers' tokens/s by this share
-    verify_windows: int = 2  # windows of measurement for the canary and after the rollout
-    rollout_batch: int = 2  # workers restarting at once during the rollout
-    canary_timeout_s: float = 900.0  # a canary not serving the new spec after this is rolled back
+    margin: float = 0.2  # the canary must beat its peers' tokens/s by this share (first try)
+    margin_step: float = 0.1  # each rollback of a rung that did not gain raises its bar by this
+    verify_windows: int = 2  # windows of steady measurement for the canary and after the rollout
+    rollout_batch: int = 2  # servers restarting at once during the rollout
+    phase_timeout_s: float = 900.0  # canary to serve and measure, rollout progress, verification
+    retry_after_s: float = 600.0  # back-off before a rolled-back rung is tried again (doubles per failure)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +77,14 @@ class Control:
     """What the control hash holds now, and what the fleet runs (see ladder.current_spec)."""
 
     fleet: ServerSpec | None
-    overrides: dict[str, ServerSpec]
+    overrides: dict[str, ServerSpec]  # queue -> spec
     current: ServerSpec
     seen_generation: int = 0  # the highest generation any worker reports
+    legacy: dict[str, ServerSpec] = field(default_factory=dict)  # worker name -> spec (older supervisors)
 
     def next_generation(self) -> int:
-        gens = [self.seen_generation, self.current.generation, *(s.generation for s in self.overrides.values())]
+        gens = [self.seen_generation, self.current.generation, *(s.generation for s in self.overrides.values()),
+                *(s.generation for s in self.legacy.values())]
         if self.fleet is not None:
             gens.append(self.fleet.generation)
         return max(gens) + 1
@@ -59,13 +92,18 @@ class Control:
 
 @dataclass(frozen=True, slots=True)
 class SetOverride:
-    worker: str
+    queue: str
     spec: ServerSpec
 
 
 @dataclass(frozen=True, slots=True)
 class SetFleet:
-    spec: ServerSpec  # becomes field `fleet`; every per-worker override is removed
+    spec: ServerSpec  # becomes field `fleet`; every per-queue (and legacy per-worker) override is removed
+
+
+@dataclass(frozen=True, slots=True)
+class DropFields:
+    fields: tuple[str, ...]  # control hash fields to delete (stale overrides)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,42 +111,62 @@ class Emit:
     event: Event
 
 
-Action = SetOverride | SetFleet | Emit
+Action = SetOverride | SetFleet | DropFields | Emit
 
 
 @dataclass
 class State:
     """Everything the autopilot remembers; stored in Redis so a restarted supervisor carries on."""
 
-    phase: str = "observing"  # observing | canary | rolling_out | verifying
+    phase: str = Phase.OBSERVING
     stall: int = 0
     stall_since: float = 0.0
-    fleet_tps: list[float] = field(default_factory=list)  # recent windows, newest last
+    fleet_tps: list[float] = field(default_factory=list)  # recent windows' fleet tokens/s, newest last
+    server_tps: list[float] = field(default_factory=list)  # recent windows' per-server mean tokens/s
     baseline: dict[str, Any] | None = None  # ServerSpec before the change
     target: dict[str, Any] | None = None  # ServerSpec being tried
     predicted: float = 1.0
-    canary: str = ""
+    bar: float = 0.2  # the canary's margin on this try
+    canary: str = ""  # its queue
     canary_label: str = ""  # gpuN, for people
     phase_since: float = 0.0
-    warm: bool = False  # the first window on a new spec is a ramp-up; it is not measured
-    canary_tps: list[float] = field(default_factory=list)
-    peers_tps: list[float] = field(default_factory=list)
+    progress_since: float = 0.0
+    served_since: float = 0.0  # the canary (or the fleet, verifying) first seen serving the target; 0: not yet
+    measured: list[list[float]] = field(default_factory=list)  # [seconds, canary or fleet rate, peers' rate]
+    confounded: str = ""  # why the last window was not measured
     baseline_capacity: float = 0.0
-    baseline_server_tps: float = 0.0
-    before_tps: float = 0.0
+    before_tps: float = 0.0  # fleet tokens/s in the stalled windows
+    before_server_tps: float = 0.0  # per server
     decide_s: float = 0.0
-    rolled: list[str] = field(default_factory=list)
-    after_tps: list[float] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)  # spec_key()s that did not gain in this run
+    rolled: list[str] = field(default_factory=list)  # queues given the target
+    tried: dict[str, dict[str, Any]] = field(default_factory=dict)  # spec_key -> tries, until, bar, why
+    restart_costs: list[float] = field(default_factory=list)  # learned: downtime + time to fill, seconds
+    canary_restart: dict[str, float] = field(default_factory=dict)  # its restarted event: ts, downtime_s
     notes: dict[str, str] = field(default_factory=dict)  # last diagnosis per topic: say things once
     classes: dict[str, str] = field(default_factory=dict)  # last window's class per worker (for watch)
+    control: dict[str, str] = field(default_factory=dict)  # control fields we last wrote (restored after data loss)
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, raw: bytes | str | None) -> State:
-        return cls(**orjson.loads(raw)) if raw else cls()
+        """The stored state; fields of another version are ignored, a state that does not decode is
+        started over (said once by the caller) rather than stopping the supervisor."""
+        if not raw:
+            return cls()
+        try:
+            return decode(cls, orjson.loads(raw))
+        except (RecordError, orjson.JSONDecodeError):
+            return cls()
+
+
+def _order(v: ServerView) -> tuple[int, str, str]:
+    return (v.gpu if v.gpu is not None else 1 << 30, v.host, v.queue)
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))
 
 
 class Autopilot:
@@ -117,16 +175,30 @@ class Autopilot:
         self.ladder = ladder
         self.state = state or State()
         self._out: list[Action] = []
+        self._phases: dict[str, Callable[[WindowReport, Control, float], None]] = {
+            Phase.OBSERVING: self._observing, Phase.CANARY: self._canary,
+            Phase.ROLLING_OUT: self._rolling_out, Phase.VERIFYING: self._verifying}
 
-    def step(self, report: WindowReport, control: Control, now: float) -> list[Action]:
-        """One window: diagnose, then advance the state machine. Returns the actions to apply."""
+    def step(self, report: WindowReport, control: Control, now: float,
+             events: Sequence[Event] = ()) -> list[Action]:
+        """One window: learn from events, diagnose, then advance the state machine."""
         self._out = []
         st = self.state
-        st.classes = {v.worker: v.cls for v in report.servers}
+        st.classes = {v.worker: str(v.cls) for v in report.servers}
         st.fleet_tps = [*st.fleet_tps, report.fleet_tokens_per_s][-max(self.s.windows, 3):]
+        serving = report.serving
+        st.server_tps = [*st.server_tps, statistics.fmean(v.tokens_per_s for v in serving) if serving else 0.0
+                         ][-max(self.s.windows, 3):]
+        self._learn(report, events)
         self._diagnose(report)
-        getattr(self, "_" + st.phase)(report, control, now)
+        self._drop_stale(report, control)
+        self._phases.get(st.phase, self._observing)(report, control, now)
         return self._out
+
+    def restart_cost_s(self) -> float:
+        """One server's restart cost: learned (median) once measured, else the configured prior."""
+        st = self.state
+        return statistics.median(st.restart_costs) if st.restart_costs else self.s.restart_cost_s
 
     # --- helpers -------------------------------------------------------------------------------
     def _emit(self, kind: str, message: str, **data: Any) -> None:
@@ -139,18 +211,50 @@ class Autopilot:
             self.state.notes[topic] = key
             self._emit(kind, message, **data)
 
+    def _learn(self, report: WindowReport, events: Sequence[Event]) -> None:
+        st = self.state
+        if st.phase != Phase.CANARY or not st.target:
+            return
+        gen = ServerSpec(**st.target).generation
+        names = {v.worker: v.queue for v in report.servers}
+        for e in events:
+            if e.kind != "restarted" or e.data.get("generation") != gen:
+                continue
+            queue = e.data.get("queue") or names.get(e.source)
+            if queue == st.canary and isinstance(e.data.get("downtime_s"), int | float):
+                st.canary_restart = {"ts": e.ts, "downtime_s": float(e.data["downtime_s"])}
+
     def _diagnose(self, report: WindowReport) -> None:
         for v in report.servers:
-            text = f"{v.label}: {v.cls}: {'; '.join(v.reasons)}" if v.cls in PROBLEMS else ""
+            problem = v.cls in PROBLEMS and not v.filling
+            text = f"{v.label}: {v.cls}: {'; '.join(v.reasons)}" if problem else ""
             if v.outliers:
                 text += ("; " if text else f"{v.label}: ") + "far from its peers: " + "; ".join(v.outliers)
-            if text or v.worker in self.state.notes:
-                if not text:
-                    self.state.notes.pop(v.worker, None)
-                    continue
-                key = "|".join([v.cls if v.cls in PROBLEMS else "", *(o.split(" ")[0] for o in v.outliers)])
-                self._note(v.worker, key, "diagnosis", text, worker=v.worker, cls=v.cls, reasons=v.reasons,
-                           outliers=v.outliers, ours=v.cls == CLIENT_BOUND)
+            if not text:
+                self.state.notes.pop(v.worker, None)
+                continue
+            key = "|".join([v.cls if problem else "", *(o.split(" ")[0] for o in v.outliers)])
+            self._note(v.worker, key, "diagnosis", text, worker=v.worker, queue=v.queue, cls=str(v.cls),
+                       reasons=v.reasons, outliers=v.outliers, ours=v.cls == CLIENT_BOUND)
+        for host, why in report.hosts.items():
+            self._note("host:" + host, "|".join(w.split(":")[0] for w in why), "diagnosis",
+                       f"host {host}: slower than the other hosts: " + "; ".join(why), host=host, reasons=why)
+        for topic in [t for t in self.state.notes if t.startswith("host:") and t[5:] not in report.hosts]:
+            self.state.notes.pop(topic)
+
+    def _drop_stale(self, report: WindowReport, control: Control) -> None:
+        """Overrides for queues no worker serves any more (their records expired) and not part of the
+        change in progress; legacy per-worker-name overrides of workers that are gone."""
+        st = self.state
+        live_queues = {v.queue for v in report.servers}
+        live_workers = {v.worker for v in report.servers}
+        busy = set(st.rolled) | ({st.canary} if st.phase != Phase.OBSERVING else set())
+        stale = [Keys.control_queue(q) for q in control.overrides if q not in live_queues and q not in busy]
+        stale += [Keys.control_worker(w) for w in control.legacy if w not in live_workers]
+        if stale:
+            self._out.append(DropFields(tuple(sorted(stale))))
+            self._emit("decision", f"removed {len(stale)} stale override(s) ({', '.join(sorted(stale))}): no worker "
+                       "serves them any more", removed=sorted(stale))
 
     @staticmethod
     def _seen(report: WindowReport) -> dict[str, Any]:
@@ -159,8 +263,11 @@ class Autopilot:
 
     def _reset(self) -> None:
         st = self.state
-        st.phase, st.stall, st.canary, st.rolled, st.warm = "observing", 0, "", [], False
-        st.canary_tps, st.peers_tps, st.after_tps = [], [], []
+        st.phase, st.stall, st.canary, st.rolled = Phase.OBSERVING, 0, "", []
+        st.measured, st.served_since, st.confounded, st.canary_restart = [], 0.0, "", {}
+
+    def _timed_out(self, since: float, now: float) -> bool:
+        return now - since > self.s.phase_timeout_s
 
     # --- phases ----------------------------------------------------------------------------------
     def _observing(self, report: WindowReport, control: Control, now: float) -> None:
@@ -171,147 +278,244 @@ class Autopilot:
         st.stall += 1
         if st.stall == 1:
             st.stall_since = report.start
-        stalled = [v for v in report.serving if v.cls == MAMBA_BOUND]
-        if st.stall < self.s.windows:
+        stalled = sorted((v for v in report.serving if v.cls == MAMBA_BOUND), key=_order)
+        static = all(v.evidence == "static" for v in stalled)
+        needed = self.s.static_windows if static else self.s.windows
+        evidence = "start-up facts" if static else "gauges"
+        if st.stall < needed:
             self._emit("stall", f"mamba-bound on {len(stalled)}/{len(report.serving)} serving GPUs "
-                       f"(window {st.stall} of {self.s.windows})", seen=self._seen(report))
+                       f"(window {st.stall} of {needed}, on {evidence})", seen=self._seen(report))
             return
+        canary = stalled[0]
         hits = [v.cache_hit_rate for v in report.serving if v.cache_hit_rate is not None]
-        prop = next_rung(control.current, self.ladder, failed=st.failed,
-                         cache_hit_rate=statistics.fmean(hits) if hits else None)
+        blocked = {key: f"was rolled back ({t.get('why', '')}); retry after {_when(t['until'])} with a bar of "
+                   f"x{1 + t['bar']:.2f}" for key, t in st.tried.items() if t.get("until", 0) > now}
+        prop = next_rung(control.current, self.ladder, failed=blocked,
+                         cache_hit_rate=statistics.fmean(hits) if hits else None, facts=canary.facts)
         cur, seen = control.current.describe(), self._seen(report)
         if prop.target is None:
-            self._note("fleet", "no-rung", "decision", f"stalled on {cur}, but no change to try: "
-                       + "; ".join(prop.reasons), seen=seen)
+            self._note("fleet", "no-rung:" + "|".join(prop.reasons), "decision",
+                       f"stalled on {cur}, but no change to try: " + "; ".join(prop.reasons), seen=seen)
             return
         eta = report.eta_s
         if eta is None:
             self._note("fleet", "eta-unknown", "decision",
                        "stalled, but the work left cannot be estimated yet (no tokens generated yet)")
             return
-        saved = eta * (1 - 1 / prop.ratio)
-        cost = self.s.restart_cost_s * self.s.worth_factor
-        worth = (f"~{saved:,.0f} s saved of {eta:,.0f} s left vs restart cost {self.s.restart_cost_s:g} s "
+        saved = eta * (1 - 1 / prop.ratio) if prop.ratio > 1 else 0.0
+        cost = self.restart_cost_s()
+        learned = "measured" if st.restart_costs else "assumed"
+        worth = (f"~{saved:,.0f} s saved of {eta:,.0f} s left vs restart cost {cost:,.1f} s ({learned}) "
                  f"x{self.s.worth_factor:g}")
-        if saved <= cost:
+        if saved <= cost * self.s.worth_factor:
             self._note("fleet", "not-worth", "decision", f"stalled, {prop.target.describe()} would gain "
                        f"x{prop.ratio:.2f} but it is not worth a restart: {worth}", seen=seen)
             return
+        key = spec_key(prop.target)
+        bar = float(st.tried.get(key, {}).get("bar", self.s.margin))
         why = [*{r for v in stalled for r in v.reasons[:1]}][:3] + prop.reasons + [worth]
         decide_s = round(now - st.stall_since, 1)
         if self.s.dry_run:
             self._note("fleet", "advice:" + prop.target.describe(), "advice", f"advice (dry run): move {cur} -> "
-                       f"{prop.target.describe()}, predicted capacity x{prop.ratio:.2f}", seen=seen,
-                       why=why, windows=st.stall, decide_s=decide_s)
+                       f"{prop.target.describe()}, predicted capacity x{prop.ratio:.2f} ({evidence})", seen=seen,
+                       why=why, windows=st.stall, decide_s=decide_s, evidence=evidence)
             return
         target = replace(prop.target, generation=control.next_generation())
-        canary = min(stalled, key=lambda v: (v.gpu if v.gpu is not None else 1 << 30, v.worker))
-        st.baseline, st.target, st.predicted = asdict(control.current), asdict(target), prop.ratio
-        st.canary, st.canary_label = canary.worker, canary.label
+        st.baseline, st.target, st.predicted, st.bar = asdict(control.current), asdict(target), prop.ratio, bar
+        st.canary, st.canary_label = canary.queue, canary.label
         st.baseline_capacity = statistics.fmean(v.effective_max for v in report.serving)
-        st.baseline_server_tps = statistics.fmean(v.tokens_per_s for v in report.serving)
-        st.before_tps = statistics.fmean(st.fleet_tps[-self.s.windows:])
-        st.decide_s, st.phase, st.phase_since, st.warm = decide_s, "canary", now, False
-        st.canary_tps, st.peers_tps = [], []
+        n = min(st.stall, len(st.fleet_tps))
+        st.before_tps = statistics.fmean(st.fleet_tps[-n:])
+        st.before_server_tps = statistics.fmean(st.server_tps[-n:])
+        st.decide_s, st.phase, st.phase_since, st.progress_since = decide_s, Phase.CANARY, now, now
+        st.measured, st.served_since, st.confounded, st.canary_restart, st.rolled = [], 0.0, "", {}, []
         st.notes.pop("fleet", None)
-        self._emit("decision", f"mamba-bound for {st.stall} windows on {len(stalled)}/{len(report.serving)} GPUs; "
-                   f"canary {canary.label}: {control.current.describe()} -> {target.describe()} (generation "
-                   f"{target.generation}), predicted capacity x{prop.ratio:.2f}", seen=self._seen(report), why=why,
-                   done=f"override {canary.label} ({canary.worker})", windows=st.stall, decide_s=decide_s,
-                   before_tokens_per_s=round(st.before_tps, 1), target=st.target, predicted_ratio=prop.ratio)
-        self._out.append(SetOverride(canary.worker, target))
+        retry = f" (try {st.tried[key]['tries'] + 1}, bar x{1 + bar:.2f})" if key in st.tried else ""
+        self._emit("decision", f"mamba-bound for {st.stall} window(s) on {len(stalled)}/{len(report.serving)} GPUs "
+                   f"({evidence}); canary {canary.label}: {cur} -> {target.describe()} (generation "
+                   f"{target.generation}), predicted capacity x{prop.ratio:.2f}{retry}", seen=seen, why=why,
+                   done=f"override {canary.label} (queue {canary.queue})", windows=st.stall, decide_s=decide_s,
+                   evidence=evidence, before_tokens_per_s=round(st.before_tps, 1), target=st.target,
+                   predicted_ratio=round(prop.ratio, 3), restart_cost_s=round(cost, 1), bar=bar)
+        self._out.append(SetOverride(canary.queue, target))
 
     def _canary(self, report: WindowReport, control: Control, now: float) -> None:
         st = self.state
         target = ServerSpec(**st.target or {})
-        v = report.get(st.canary)
-        if v is not None and v.state == "down" and now - st.phase_since > 1:
-            self._rollback(control, f"the canary {st.canary_label} is down: {'; '.join(v.reasons)}")
+        v = report.by_queue(st.canary)
+        if v is not None and v.cls == DOWN and v.generation == target.generation:
+            self._rollback(control, now, f"the canary {st.canary_label} is down on {target.describe()}: "
+                           f"{'; '.join(v.reasons)}", failed=True)
             return
         if v is None or v.generation != target.generation or not v.serving:
-            if now - st.phase_since > self.s.canary_timeout_s:
-                self._rollback(control, f"the canary {st.canary_label} did not serve {target.describe()} within "
-                               f"{self.s.canary_timeout_s:g} s")
+            if self._timed_out(st.phase_since, now):
+                self._rollback(control, now, f"the canary {st.canary_label} did not serve {target.describe()} within "
+                               f"{self.s.phase_timeout_s:g} s", failed=True)
             return
-        if not st.warm:  # its semaphore is still filling: not a fair measure
-            st.warm = True
+        if not st.served_since:
+            st.served_since = now
+        if report.backlog == 0:
+            self._emit("canary", f"the run is draining: nothing left to gain from {target.describe()}; the canary "
+                       f"{st.canary_label} keeps it, no rollout", canary=st.canary, verdict="draining")
+            self._reset()
             return
-        peers = [p.tokens_per_s for p in report.serving if p.generation != target.generation]
-        st.canary_tps.append(v.tokens_per_s)
-        st.peers_tps.append(statistics.fmean(peers) if peers else st.baseline_server_tps)
-        if len(st.canary_tps) < self.s.verify_windows:
+        since = v.steady_since(target.generation)
+        measured = self._measure_canary(report, v, since, target)
+        if not measured:
+            if self._timed_out(st.served_since, now):
+                self._rollback(control, now, f"inconclusive: the canary {st.canary_label} was never measured on "
+                               f"steady windows within {self.s.phase_timeout_s:g} s ({st.confounded})", failed=False)
             return
-        mine, theirs = statistics.fmean(st.canary_tps), statistics.fmean(st.peers_tps)
-        measured = {"canary": st.canary, "canary_tokens_per_s": round(mine, 1), "peers_tokens_per_s": round(theirs, 1),
-                    "capacity_before": st.baseline_capacity, "capacity_after": v.effective_max,
-                    "predicted_ratio": st.predicted, "measured_ratio": round(mine / theirs, 3) if theirs else None}
-        if v.effective_max > st.baseline_capacity and mine >= (1 + self.s.margin) * theirs:
-            self._emit("canary", f"canary {st.canary_label} gained: {v.effective_max} slots (was "
-                       f"{st.baseline_capacity:.0f}), {mine:,.0f} vs peers' {theirs:,.0f} tok/s "
-                       f"(x{mine / theirs:.2f}); rolling out {self.s.rollout_batch} at a time", **measured)
-            st.phase, st.phase_since, st.rolled = "rolling_out", now, [st.canary]
-            self._rolling_out(report, control, now)
-        else:
-            self._rollback(control, f"the canary did not gain: {v.effective_max} slots (was "
-                           f"{st.baseline_capacity:.0f}), {mine:,.0f} vs peers' {theirs:,.0f} tok/s "
-                           f"(needs x{1 + self.s.margin:.2f})", **measured)
+        dur = sum(m[0] for m in st.measured)
+        if dur < 0.9 * self.s.verify_windows * report.length:
+            return
+        mine = sum(m[0] * m[1] for m in st.measured) / dur
+        theirs = sum(m[0] * m[2] for m in st.measured) / dur
+        ratio = mine / theirs if theirs > 0 else None
+        data = {"canary": st.canary, "canary_tokens_per_s": round(mine, 1), "peers_tokens_per_s": round(theirs, 1),
+                "capacity_before": st.baseline_capacity, "capacity_after": v.effective_max,
+                "predicted_ratio": round(st.predicted, 3), "measured_ratio": round(ratio, 3) if ratio else None,
+                "measured_s": round(dur, 1), "bar": st.bar, "restart_cost_s": round(self.restart_cost_s(), 1)}
+        gained = ratio is not None and v.effective_max > st.baseline_capacity and ratio >= 1 + st.bar
+        versus = (f"{v.effective_max} slots (was {st.baseline_capacity:.0f}), {mine:,.0f} vs peers' {theirs:,.0f} "
+                  f"tok/s over {dur:.0f} s of steady windows (x{ratio or 0:.2f}")
+        if not gained:
+            self._rollback(control, now, f"the canary did not gain: {versus}, needs x{1 + st.bar:.2f})", failed=True,
+                           **data)
+            return
+        self._emit("canary", f"canary {st.canary_label} gained: {versus}); rolling out {self.s.rollout_batch} at a "
+                   f"time", **data)
+        st.phase, st.phase_since, st.progress_since, st.rolled = Phase.ROLLING_OUT, now, now, [st.canary]
+        self._rolling_out(report, control, now)
+
+    def _measure_canary(self, report: WindowReport, v: ServerView, since: float | None, target: ServerSpec) -> bool:
+        """Add this window's steady part to the measurement; False (with the reason kept) if confounded."""
+        st = self.state
+        if since is None:
+            st.confounded = f"the canary is not full ({v.in_flight:.0f} of {v.effective_max} in flight)"
+            return bool(st.measured)
+        restart = st.canary_restart
+        if restart and "filled" not in restart:
+            restart["filled"] = since
+            st.restart_costs = [*st.restart_costs, round(restart["downtime_s"] + max(0.0, since - restart["ts"]), 2)]
+        peers = [p for p in report.serving if p.queue != st.canary and p.generation != target.generation]
+        steady = [(p, p.steady_since(p.generation)) for p in peers]
+        steady = [(p, s) for p, s in steady if s is not None]
+        if peers and not steady:
+            st.confounded = "no peer is steady (" + ", ".join(f"{p.label} {p.cls}" for p in peers) + ")"
+            return bool(st.measured)
+        t0 = max([report.start, since, *(s for _, s in steady)])
+        t1 = report.end
+        if t1 - t0 < 0.3 * report.length:
+            st.confounded = f"only {t1 - t0:.1f} s of this window were steady"
+            return bool(st.measured)
+        mine = v.rate(t0, t1)
+        theirs = [r for r in (p.rate(t0, t1) for p, _ in steady) if r is not None]
+        if mine is None or (steady and not theirs):
+            st.confounded = "no tokens/s figure for the canary or its peers"
+            return bool(st.measured)
+        # With no peer at all (a one-GPU fleet) the stalled windows' per-server rate stands in.
+        st.measured.append([round(t1 - t0, 3), mine, statistics.fmean(theirs) if theirs else st.before_server_tps])
+        st.confounded = ""
+        return True
 
     def _rolling_out(self, report: WindowReport, control: Control, now: float) -> None:
         st = self.state
         target = ServerSpec(**st.target or {})
-        broken = [v for v in report.servers if v.worker in st.rolled and v.state == "down"]
+        broken = [v for v in report.servers if v.queue in st.rolled and v.cls == DOWN
+                  and v.generation == target.generation]
         if broken:
-            self._rollback(control, "; ".join(f"{v.worker} failed on the new spec: {'; '.join(v.reasons)}"
-                                              for v in broken))
+            self._rollback(control, now, "; ".join(f"{v.label} failed on {target.describe()}: {'; '.join(v.reasons)}"
+                                                   for v in broken), failed=True)
             return
-        moved = {v.worker for v in report.servers if v.serving and v.generation == target.generation}
-        pending = [w for w in st.rolled if w not in moved]
-        order = sorted(report.servers, key=lambda v: (v.gpu if v.gpu is not None else 1 << 30, v.worker))
-        todo = [v.worker for v in order if v.worker not in st.rolled]
-        for w in todo[:max(0, self.s.rollout_batch - len(pending))]:
-            st.rolled.append(w)
-            self._out.append(SetOverride(w, target))
-            label = next((v.label for v in report.servers if v.worker == w), w)
-            self._emit("rollout", f"{label} -> {target.describe()} (generation {target.generation})", worker=w)
+        present = [v for v in sorted(report.servers, key=_order) if v.cls != SILENT]
+        moved = {v.queue for v in present if v.serving and v.generation == target.generation}
+        # A queue whose worker is gone does not block the rollout: its override waits for it.
+        pending = [v.queue for v in present if v.queue in st.rolled and v.queue not in moved]
+        todo = [v for v in present if v.queue not in st.rolled]
+        for v in todo[:max(0, self.s.rollout_batch - len(pending))]:
+            st.rolled.append(v.queue)
+            st.progress_since = now
+            self._out.append(SetOverride(v.queue, target))
+            self._emit("rollout", f"{v.label} -> {target.describe()} (generation {target.generation})", queue=v.queue,
+                       worker=v.worker)
+        todo = [v for v in todo if v.queue not in st.rolled]
+        pending = [v.queue for v in present if v.queue in st.rolled and v.queue not in moved]
         if not pending and not todo:
-            self._out.append(SetFleet(target))
-            self._emit("rolled_out", f"all {len(st.rolled)} GPUs serve {target.describe()}; it is now the fleet's "
-                       f"spec (generation {target.generation})", target=st.target)
-            st.phase, st.phase_since, st.warm, st.after_tps = "verifying", now, False, []
+            self._to_verifying(target, now, f"all {len(moved)} serving GPUs serve {target.describe()}")
+        elif self._timed_out(st.progress_since, now):
+            late = ", ".join(v.label for v in present if v.queue in pending)
+            self._to_verifying(target, now, f"carrying on after {self.s.phase_timeout_s:g} s without progress "
+                               f"({late or 'nobody'} not serving it yet: the fleet spec will move them)")
+
+    def _to_verifying(self, target: ServerSpec, now: float, why: str) -> None:
+        st = self.state
+        self._out.append(SetFleet(target))
+        self._emit("rolled_out", f"{why}; it is now the fleet's spec (generation {target.generation})",
+                   target=st.target, rolled=st.rolled)
+        st.phase, st.phase_since, st.measured, st.confounded = Phase.VERIFYING, now, [], ""
 
     def _verifying(self, report: WindowReport, control: Control, now: float) -> None:
         st = self.state
-        if not st.warm:
-            # The last servers back are still filling their new slots: measure once all are full (or
-            # after three windows, so a fleet that never fills is still judged).
-            ramping = [v for v in report.servers if v.cls in (CLIENT_BOUND, "restarting")]
-            st.warm = (not ramping and now - st.phase_since > 0) or now - st.phase_since > 3 * self._window(report)
+        target = ServerSpec(**st.target or {})
+        serving = report.serving
+        steady = [v.steady_since(target.generation) for v in serving]
+        if serving and report.backlog > 0 and None not in steady:
+            t0, t1 = max([report.start, *(s for s in steady if s is not None)]), report.end
+            rates = [v.rate(t0, t1) for v in serving]
+            if t1 - t0 >= 0.3 * report.length and None not in rates:
+                st.measured.append([round(t1 - t0, 3), sum(r or 0.0 for r in rates),
+                                    statistics.fmean(r or 0.0 for r in rates)])
+            else:
+                st.confounded = f"only {t1 - t0:.1f} s of this window were steady"
+        elif serving and report.backlog > 0:
+            st.confounded = "not every server is full yet: " + ", ".join(
+                f"{v.label} {v.cls}" for v, s in zip(serving, steady, strict=True) if s is None)
+        dur = sum(m[0] for m in st.measured)
+        done = dur >= 0.9 * self.s.verify_windows * report.length
+        if not done and report.backlog > 0 and not self._timed_out(st.phase_since, now):
             return
-        if report.backlog > 0:
-            st.after_tps.append(report.fleet_tokens_per_s)
-        if len(st.after_tps) < self.s.verify_windows and report.backlog > 0:
+        slots = sorted({v.effective_max for v in serving})
+        if not dur:
+            why = "the run drained first" if report.backlog == 0 else st.confounded
+            self._emit("verified", f"unverified: no steady window after the rollout ({why}); slots per GPU {slots}",
+                       ratio=None, slots=slots, target=st.target, decide_s=st.decide_s)
+            self._reset()
             return
-        after = statistics.fmean(st.after_tps) if st.after_tps else report.fleet_tokens_per_s
-        slots = sorted({v.effective_max for v in report.serving})
-        ratio = after / st.before_tps if st.before_tps else None
-        self._emit("verified", f"fleet {st.before_tps:,.0f} -> {after:,.0f} tok/s"
-                   + (f" (x{ratio:.2f})" if ratio else "") + f", slots per GPU {slots} (predicted x{st.predicted:.2f})",
-                   before_tokens_per_s=round(st.before_tps, 1), after_tokens_per_s=round(after, 1),
-                   ratio=round(ratio, 3) if ratio else None, slots=slots, target=st.target, decide_s=st.decide_s)
+        after = sum(m[0] * m[1] for m in st.measured) / dur
+        after_server = sum(m[0] * m[2] for m in st.measured) / dur
+        ratio = after_server / st.before_server_tps if st.before_server_tps else None
+        self._emit("verified", f"fleet {st.before_tps:,.0f} -> {after:,.0f} tok/s" + (f" (x{ratio:.2f} per server)"
+                   if ratio else "") + f" over {dur:.0f} s of steady windows, slots per GPU {slots} (predicted "
+                   f"x{st.predicted:.2f})", before_tokens_per_s=round(st.before_tps, 1),
+                   after_tokens_per_s=round(after, 1), before_server_tokens_per_s=round(st.before_server_tps, 1),
+                   after_server_tokens_per_s=round(after_server, 1), ratio=round(ratio, 3) if ratio else None,
+                   measured_s=round(dur, 1), slots=slots, target=st.target, decide_s=st.decide_s,
+                   predicted_ratio=round(st.predicted, 3))
         self._reset()
 
-    @staticmethod
-    def _window(report: WindowReport) -> float:
-        return max(report.end - report.start, 1.0)
-
-    def _rollback(self, control: Control, why: str, **data: Any) -> None:
+    def _rollback(self, control: Control, now: float, why: str, *, failed: bool, **data: Any) -> None:
+        """Put the queues that moved back on the old spec (newer generation). The rung is not banned: it
+        may be tried again after a back-off (doubling), with a higher bar if it failed to gain."""
         st = self.state
         baseline = replace(ServerSpec(**st.baseline or {}), generation=control.next_generation())
         target = ServerSpec(**st.target or {})
-        for w in st.rolled or [st.canary]:
-            self._out.append(SetOverride(w, baseline))
-        st.failed = sorted({*st.failed, spec_key(target)})
+        moved = st.rolled or [st.canary]
+        for q in moved:
+            self._out.append(SetOverride(q, baseline))
+        key = spec_key(target)
+        t = dict(st.tried.get(key) or {"tries": 0, "bar": self.s.margin})
+        if failed:
+            t["tries"] = int(t["tries"]) + 1
+            t["bar"] = self.s.margin + self.s.margin_step * t["tries"]
+            t["until"] = now + self.s.retry_after_s * 2 ** (t["tries"] - 1)
+            t["why"] = "did not gain" if "did not gain" in why else why.split(":")[0][:80]
+        else:
+            t["until"] = now + self.s.retry_after_s
+            t["why"] = "inconclusive"
+        st.tried[key] = t
         self._emit("rollback", f"{why}; back to {baseline.describe()} (generation {baseline.generation}) on "
-                   f"{', '.join(st.rolled or [st.canary])}; {target.describe()} will not be tried again in this run",
-                   **data, failed=st.failed)
+                   f"{', '.join(moved)}; {target.describe()} may be retried after {_when(t['until'])} with a bar of "
+                   f"x{1 + t['bar']:.2f}", **data, verdict="failed" if failed else "inconclusive",
+                   tried={key: t}, queues=moved)
         self._reset()

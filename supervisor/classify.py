@@ -6,15 +6,28 @@ Classes, checked in this order (the first that fits wins):
 | --- | --- | --- |
 | down | the worker reports its server down (e.g. failed to start) | the worker's message |
 | restarting | starting, draining for a new spec, or restarting | wait |
+| silent | the worker's status record stopped changing: it is gone or stuck | its host |
 | hung | in flight but no token and no finished prompt over the whole window | the worker's health check |
-| draining | no backlog left in Redis: the run is finishing | nothing |
-| kv-bound | full-KV usage high, or the server retracted requests | fewer slots, not more |
-| client-bound | the server runs below its capacity while Redis holds work | ours: worker cap, dispatch, Redis |
-| mamba-bound | running pinned at the effective max, backlog waiting, mamba high, KV low | a cheaper strategy |
-| saturated-healthy | running pinned at the effective max, nothing else stands out | nothing |
+| draining | no backlog left in Redis, or too little to fill the fleet's free slots | nothing |
+| client-bound | the worker offers its server fewer requests than it can run | ours: worker cap, dispatch, Redis |
+| kv-bound | retractions, full-KV usage high, or a queue in the server with KV near full | fewer slots |
+| mamba-bound | offered its capacity, capped by the mamba state pool, KV mostly free | a cheaper strategy |
+| saturated-healthy | offered its capacity, nothing else stands out | nothing |
 
-Peer outliers are flagged separately: a GPU whose capacity or tokens/s is far from the median of
-the others (the seed operator only ever looked at GPU 0).
+Everything is judged from **window aggregates**, never from one gauge reading: with short generations
+requests turn over every few steps, so an instantaneous `num_running_reqs` sits a few below the cap
+while the next requests wait in the server's queue or are in transit. The worker's own in-flight
+count (what it offers the server) against the server's capacity tells client-bound from the rest;
+the server's time-averaged running + queued, KV usage projected to the cap, and retractions tell
+KV-bound; and the **static facts** the server gave at start-up (`ServerFacts`: the cap and its cause,
+the mamba pool and its slots per request) tell mamba-bound at once, whatever the gauges flicker
+(evidence "static"). Without facts (older workers) mamba-bound falls back on the gauges (evidence
+"gauges": `sglang:mamba_usage` ≥ 50 % — evictable cached states count as free, so a capped pool
+reads ~60-70 %, not 100 %).
+
+Peer outliers are flagged separately, only among servers that are steady (offered their capacity,
+backlog waiting) and run the same generation: a server that is draining or filling is not compared.
+Across hosts, a host whose GPUs are all far below the other hosts' is flagged once, as a host.
 """
 
 from __future__ import annotations
@@ -22,55 +35,126 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
-from batchfleet.records import WorkerStatus
+from batchfleet.records import CAP_MAMBA, ServerFacts, WorkerState, WorkerStatus
 
 from .fleet import FleetSnapshot
 
-__all__ = ["CLASSES", "ServerView", "Thresholds", "WindowReport", "classify_window", "server_tokens_per_s"]
+__all__ = ["CLASSES", "Cls", "Point", "ServerView", "Thresholds", "WindowReport", "classify_window",
+           "server_tokens_per_s"]
 
-DOWN, RESTARTING, HUNG, DRAINING = "down", "restarting", "hung", "draining"
-KV_BOUND, CLIENT_BOUND, MAMBA_BOUND, SATURATED = "kv-bound", "client-bound", "mamba-bound", "saturated-healthy"
-CLASSES = (DOWN, RESTARTING, HUNG, DRAINING, KV_BOUND, CLIENT_BOUND, MAMBA_BOUND, SATURATED)
+
+class Cls(StrEnum):
+    DOWN = "down"
+    RESTARTING = "restarting"
+    SILENT = "silent"
+    HUNG = "hung"
+    DRAINING = "draining"
+    CLIENT_BOUND = "client-bound"
+    KV_BOUND = "kv-bound"
+    MAMBA_BOUND = "mamba-bound"
+    SATURATED = "saturated-healthy"
+
+
+DOWN, RESTARTING, SILENT, HUNG, DRAINING = Cls.DOWN, Cls.RESTARTING, Cls.SILENT, Cls.HUNG, Cls.DRAINING
+KV_BOUND, CLIENT_BOUND, MAMBA_BOUND, SATURATED = Cls.KV_BOUND, Cls.CLIENT_BOUND, Cls.MAMBA_BOUND, Cls.SATURATED
+CLASSES = tuple(Cls)
+STEADY = (MAMBA_BOUND, SATURATED, KV_BOUND)  # offered their capacity with a backlog: comparable
 
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    pinned: float = 0.9  # mean running within max(1, 10 %) of the effective max: the server is full
-    mamba_high: float = 0.5  # sglang:mamba_usage (evictable states count as free)
-    kv_low: float = 0.5  # full-KV usage below this: KV has room to spare
-    kv_high: float = 0.9  # full-KV usage at or above this: KV binds
-    outlier: float = 0.25  # |value - peers' median| / median beyond this: flag the GPU
+    pinned: float = 0.9  # offered/running within max(1, 10 %) of the capacity: the server is full
+    mamba_high: float = 0.5  # sglang:mamba_usage (evictable states count as free); gauge fallback only
+    kv_low: float = 0.5  # KV usage projected to the cap below this: KV has room to spare
+    kv_high: float = 0.9  # full-KV usage peak at or above this: KV binds
+    kv_admit: float = 0.7  # below the cap with a queue inside and projected KV above this: KV admission binds
+    outlier: float = 0.25  # |value - peers' median| / median beyond this: flag the GPU (or the host)
+
+    def tolerance(self, cap: int) -> float:
+        """Slots a full server may show free (one refilling is not a stall on a small server)."""
+        return max(1.0, (1 - self.pinned) * cap)
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One server in one snapshot, as much as the autopilot needs to measure steady intervals."""
+
+    ts: float  # the supervisor's clock (snapshot time)
+    serving: bool
+    generation: int
+    filled: bool  # the worker offered (nearly) its server's capacity
+    tokens: float | None  # the server's generation_tokens_total counter
+    tokens_ts: float | None  # when the worker scraped it (the worker's clock: rates never mix clocks)
+    gen_tps: float | None  # sglang:gen_throughput
+
+
+def _rate(points: Sequence[Point]) -> float | None:
+    """Tokens/s over `points` from the counter (one server process: restarts reset it), else the
+    mean gen_throughput gauge; None when neither says."""
+    pairs: list[tuple[float, float]] = []
+    for p in points:
+        if p.tokens is None or p.tokens_ts is None or not p.serving:
+            continue
+        if pairs and p.tokens < pairs[-1][1]:
+            pairs = []  # a new server process: its counter started over
+        if not pairs or p.tokens_ts > pairs[-1][0]:
+            pairs.append((p.tokens_ts, p.tokens))
+    if len(pairs) >= 2 and pairs[-1][0] - pairs[0][0] >= 0.5:
+        return (pairs[-1][1] - pairs[0][1]) / (pairs[-1][0] - pairs[0][0])
+    gauges = [p.gen_tps for p in points if p.serving and p.gen_tps is not None]
+    return statistics.fmean(gauges) if gauges else None
 
 
 @dataclass(frozen=True, slots=True)
 class ServerView:
-    """One server over one window (means over the window's samples unless said otherwise)."""
+    """One server over one window (means over the window's serving samples unless said otherwise)."""
 
     worker: str
+    queue: str
+    host: str
     gpu: int | None
-    cls: str
+    label: str  # gpuN, or host/gpuN when the fleet spans hosts
+    cls: Cls
     reasons: list[str]
     state: str  # at the end of the window
     strategy: str
     generation: int
     effective_max: int
+    slots: int  # the worker's in-flight limit
     in_flight: float
     running: float | None
+    queued: float | None
     kv: float | None
     mamba: float | None
     cache_hit_rate: float | None
-    tokens_per_s: float  # the server's gen_throughput when it reports one, else the worker's measure
+    tokens_per_s: float  # over the window: the server's counter, else its gauge, else the worker's measure
     retracted: float  # retractions during the window
+    evidence: str = ""  # mamba-bound: "static" (start-up facts) or "gauges"
+    filling: bool = False  # client-bound only because its worker is still filling new slots
+    facts: ServerFacts | None = None
+    points: tuple[Point, ...] = ()
     outliers: list[str] = field(default_factory=list)
 
     @property
     def serving(self) -> bool:
-        return self.state == "serving"
+        """Serving, as far as anyone can tell: a silent record (its worker gone) says nothing now."""
+        return self.state == WorkerState.SERVING and self.cls != Cls.SILENT
 
-    @property
-    def label(self) -> str:
-        return f"gpu{self.gpu}" if self.gpu is not None else self.worker
+    def steady_since(self, generation: int | None = None) -> float | None:
+        """The start of the trailing run of samples where this server served (`generation`) and its
+        worker offered its capacity; None if the last sample is not such a one."""
+        since = None
+        for p in reversed(self.points):
+            if not (p.serving and p.filled and (generation is None or p.generation == generation)):
+                break
+            since = p.ts
+        return since
+
+    def rate(self, t0: float, t1: float) -> float | None:
+        """Tokens/s between two supervisor times (samples at or inside the bounds)."""
+        return _rate([p for p in self.points if t0 <= p.ts <= t1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +164,7 @@ class WindowReport:
     servers: list[ServerView]
     backlog: int  # prompts waiting in Redis at the end of the window
     eta_s: float | None
+    hosts: dict[str, list[str]] = field(default_factory=dict)  # host -> why it stands out (as a host)
 
     @property
     def serving(self) -> list[ServerView]:
@@ -89,10 +174,14 @@ class WindowReport:
     def fleet_tokens_per_s(self) -> float:
         return sum(s.tokens_per_s for s in self.serving)
 
+    @property
+    def length(self) -> float:
+        return max(self.end - self.start, 1e-6)
+
     def by_class(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for s in self.servers:
-            out.setdefault(s.cls, []).append(s.worker)
+            out.setdefault(str(s.cls), []).append(s.label)
         return out
 
     def majority(self, cls: str) -> bool:
@@ -103,10 +192,13 @@ class WindowReport:
     def get(self, worker: str) -> ServerView | None:
         return next((s for s in self.servers if s.worker == worker), None)
 
+    def by_queue(self, queue: str) -> ServerView | None:
+        return next((s for s in self.servers if s.queue == queue), None)
+
 
 def server_tokens_per_s(w: WorkerStatus) -> float:
-    """Prefer the server's own gen_throughput (same clock as its peers, simulated time under the
-    simulator); fall back to what the worker measured."""
+    """One record's tokens/s: the server's own gen_throughput when it reports one (same clock for
+    every server), else what the worker measured from the server's counter."""
     g = w.metrics.gen_throughput
     return float(g) if g is not None else w.tokens_per_s
 
@@ -116,68 +208,142 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return statistics.fmean(present) if present else None
 
 
-def _classify_one(samples: list[WorkerStatus], backlog: int, th: Thresholds) -> tuple[str, list[str]]:
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0%}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Agg:
+    """Window aggregates of one server's serving samples."""
+
+    cap: int
+    offered: float  # mean in-flight the worker keeps (requests it offers the server)
+    limit: int  # the worker's in-flight limit
+    running: float
+    queued: float
+    kv: float | None
+    kv_peak: float
+    kv_at_cap: float | None  # KV usage projected to a full server
+    mamba: float | None
+    retracted: float
+    surplus: int
+
+
+def _aggregate(serving: list[WorkerStatus]) -> _Agg:
+    last = serving[-1]
+    cap = max(last.effective_max, 1)
+    running = _mean([s.metrics.running if s.metrics.running is not None else s.in_flight for s in serving]) or 0.0
+    kv = _mean([s.metrics.full_kv_usage for s in serving])
+    retracted = [s.metrics.retracted for s in serving if s.metrics.retracted is not None]
+    return _Agg(
+        cap=cap, offered=statistics.fmean(s.in_flight for s in serving), limit=last.slots or cap, running=running,
+        queued=_mean([s.metrics.queued for s in serving]) or 0.0, kv=kv,
+        kv_peak=max((s.metrics.full_kv_usage or 0.0) for s in serving),
+        kv_at_cap=None if kv is None else kv * cap / max(running, 1.0),
+        mamba=_mean([s.metrics.mamba_usage for s in serving]),
+        retracted=(retracted[-1] - retracted[0]) if retracted else 0.0, surplus=last.surplus)
+
+
+def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, silent: bool,
+                  th: Thresholds) -> tuple[Cls, list[str], str]:
+    """(class, reasons, evidence); evidence is "static"/"gauges" for mamba-bound, "filling" for a
+    client-bound server whose worker is still filling its slots, else ""."""
     last = samples[-1]
-    if last.state == "down":
-        return DOWN, [last.message or "the worker reports its server down"]
-    if last.state != "serving":
-        return RESTARTING, [f"state {last.state}" + (f": {last.message}" if last.message else "")]
-    serving = [s for s in samples if s.state == "serving"]
+    if last.state == WorkerState.DOWN:
+        return DOWN, [last.message or "the worker reports its server down"], ""
+    if silent:
+        return SILENT, ["its status record stopped changing: the worker is gone or stuck"], ""
+    if last.state != WorkerState.SERVING:
+        return RESTARTING, [f"state {last.state}" + (f": {last.message}" if last.message else "")], ""
+    serving = [s for s in samples if s.state == WorkerState.SERVING and s.generation == last.generation]
     first = serving[0]
     tokens = [s.metrics.generation_tokens_total for s in serving]
     progressed = last.done + last.failed > first.done + first.failed or (
         None not in tokens and tokens[-1] != tokens[0])
     if len(serving) >= 2 and all(s.in_flight > 0 for s in serving) and not progressed:
-        return HUNG, [f"{last.in_flight} in flight, no token and no finished prompt over the window"]
+        return HUNG, [f"{last.in_flight} in flight, no token and no finished prompt over the window"], ""
     if backlog == 0:
-        return DRAINING, ["no backlog left in Redis"]
-    cap = max(last.effective_max, 1)
-    running = _mean([s.metrics.running if s.metrics.running is not None else s.in_flight for s in serving]) or 0.0
-    kv = _mean([s.metrics.full_kv_usage for s in serving])
-    mamba = _mean([s.metrics.mamba_usage for s in serving])
-    retracted = [s.metrics.retracted for s in serving if s.metrics.retracted is not None]
-    kv_peak = max((s.metrics.full_kv_usage or 0.0) for s in serving)
-    if kv_peak >= th.kv_high or (retracted and retracted[-1] > retracted[0]):
-        why = [f"full-KV usage up to {kv_peak:.0%}"]
-        if retracted and retracted[-1] > retracted[0]:
-            why.append(f"{retracted[-1] - retracted[0]:.0f} request(s) retracted")
-        return KV_BOUND, why
-    queued = _mean([s.metrics.queued for s in serving])
-    if running < cap - max(1.0, (1 - th.pinned) * cap):  # one slot refilling is not a stall on small servers
-        if queued is not None and queued >= 1:
-            # Below its cap with requests of ours waiting inside it: the server will not admit them
-            # (its KV pool's admission budget is spent), so our side is not what holds it back.
-            return KV_BOUND, [f"running {running:.0f} of {cap} with {queued:.0f} waiting in the server: its KV "
-                              f"pool admits no more (full-KV usage up to {kv_peak:.0%})"]
-        in_flight = statistics.fmean(s.in_flight for s in serving)
-        why = [f"running {running:.0f} of {cap} while Redis holds {backlog} prompt(s): our side is slow"]
-        if in_flight < cap - max(1.0, (1 - th.pinned) * cap):
-            why.append(f"the worker keeps only {in_flight:.0f} in flight (BATCHFLEET_MAX_IN_FLIGHT, dispatch or "
-                       "Redis), not the server")
-        return CLIENT_BOUND, why
-    if mamba is not None and mamba >= th.mamba_high and (kv is None or kv < th.kv_low):
-        return MAMBA_BOUND, [f"running pinned at {cap}, {backlog} waiting, mamba usage {mamba:.0%}, "
-                             f"KV usage {(kv or 0):.0%}: the mamba state pool caps concurrency"]
-    return SATURATED, [f"running pinned at {cap}; mamba {_pct(mamba)}, KV {_pct(kv)}: nothing to gain by restarting"]
+        return DRAINING, ["no backlog left in Redis"], ""
+    a = _aggregate(serving)
+    if 2 * len(serving) < len(samples) and a.offered < a.cap - th.tolerance(a.cap):
+        # It began serving (again) late in this window: its worker is still taking work, not slow.
+        return CLIENT_BOUND, [f"running {a.running:.0f} of {a.cap}: serving since late in this window",
+                              f"the worker is still filling its {a.limit} slots"], "filling"
+    tol = th.tolerance(a.cap)
+    if a.offered < a.cap - tol:
+        if backlog < short_of:
+            return DRAINING, [f"the backlog ({backlog}) no longer fills the fleet's free slots ({short_of:.0f})"], ""
+        why = [f"running {a.running:.0f} of {a.cap} while Redis holds {backlog} prompt(s): our side is slow"]
+        if a.limit < a.cap - tol:
+            why.append(f"the worker's in-flight limit is {a.limit} (BATCHFLEET_MAX_IN_FLIGHT), under the "
+                       f"server's {a.cap}")
+        elif serving[-1].in_flight > first.in_flight + tol:
+            why.append(f"the worker is still filling its {a.limit} slots ({first.in_flight} -> "
+                       f"{serving[-1].in_flight} in flight)")
+            return CLIENT_BOUND, why, "filling"
+        else:
+            why.append(f"the worker keeps only {a.offered:.0f} of its {a.limit} slots busy (dispatch or Redis), "
+                       "not the server")
+        return CLIENT_BOUND, why, ""
+    # The worker offers the server its capacity: what the server does with it is the server's.
+    if a.retracted > 0 or a.kv_peak >= th.kv_high:
+        why = [f"full-KV usage up to {a.kv_peak:.0%}"]
+        if a.retracted > 0:
+            why.append(f"{a.retracted:.0f} request(s) retracted")
+        return KV_BOUND, why, ""
+    below = a.running < a.cap - tol
+    if below and a.queued > a.surplus + 1 and a.kv_at_cap is not None and a.kv_at_cap >= th.kv_admit:
+        return KV_BOUND, [f"running {a.running:.0f} of {a.cap} with {a.queued:.0f} waiting in the server: its KV pool "
+                          f"admits no more (full-KV usage {a.kv:.0%}, {a.kv_at_cap:.0%} at the cap)"], ""
+    facts = last.facts
+    kv_free = a.kv_at_cap is None or a.kv_at_cap < th.kv_low
+    if facts is not None and facts.cap_cause == CAP_MAMBA and facts.effective_max_running == last.effective_max \
+            and kv_free:
+        pool = (f"{facts.mamba_pool} state slots, {facts.slots_per_request} per request" if facts.mamba_pool
+                else "its pool")
+        return MAMBA_BOUND, [f"capped at {a.cap} by its mamba state pool ({pool}) with KV mostly free "
+                             f"({_pct(a.kv)} used, {_pct(a.kv_at_cap)} at the cap); {backlog} waiting; "
+                             f"the worker offers {a.offered:.0f}"], "static"
+    # Gauges only when the server did not say what caps it (an older worker or server).
+    if (facts is None or not facts.cap_cause) and a.running + a.queued >= a.cap - tol and a.mamba is not None \
+            and a.mamba >= th.mamba_high and a.kv is not None and a.kv < th.kv_low:
+        return MAMBA_BOUND, [f"running pinned at {a.cap}, {backlog} waiting, mamba usage {a.mamba:.0%}, "
+                             f"KV usage {a.kv:.0%}: the mamba state pool caps concurrency"], "gauges"
+    cause = f" (capped by {facts.cap_cause})" if facts is not None and facts.cap_cause else ""
+    return SATURATED, [f"running {a.running:.0f} of {a.cap}{cause}; mamba {_pct(a.mamba)}, KV {_pct(a.kv)}: "
+                       "nothing to gain by restarting"], ""
 
 
-def _pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.0%}"
-
-
-def _outliers(views: list[ServerView], th: Thresholds) -> dict[str, list[str]]:
-    serving = [v for v in views if v.serving and v.effective_max > 0]
-    out: dict[str, list[str]] = {}
-    if len(serving) < 3:  # with two, "far from the other" does not say which one is odd
-        return out
-    for v in serving:
-        peers = [p for p in serving if p is not v]
-        for name, mine, theirs in (("capacity", v.effective_max, [p.effective_max for p in peers]),
-                                   ("tokens/s", v.tokens_per_s, [p.tokens_per_s for p in peers])):
-            med = statistics.median(theirs)
-            if med > 0 and abs(mine - med) / med > th.outlier:
-                out.setdefault(v.worker, []).append(f"{name} {mine:,.0f} vs peers' median {med:,.0f}")
-    return out
+def _flag(views: list[ServerView], th: Thresholds) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(worker -> flags, host -> flags). Only steady servers are compared, and only with servers of the
+    same generation (a canary is not an outlier). A host whose GPUs all sit far below the other hosts'
+    median is flagged once, as a host, and its GPUs are then neither flagged nor used as peers."""
+    gpus: dict[str, list[str]] = {}
+    hosts: dict[str, list[str]] = {}
+    steady = [v for v in views if v.cls in STEADY and v.effective_max > 0]
+    for gen in sorted({v.generation for v in steady}):
+        group = [v for v in steady if v.generation == gen]
+        for name, value in (("capacity", lambda v: float(v.effective_max)), ("tokens/s", lambda v: v.tokens_per_s)):
+            slow_hosts: set[str] = set()
+            names = {v.host for v in group}
+            if len(names) >= 2:
+                for h in sorted(names):
+                    mine = [value(v) for v in group if v.host == h]
+                    theirs = [value(v) for v in group if v.host != h]
+                    med = statistics.median(theirs)
+                    if len(mine) >= 2 and med > 0 and all(x < (1 - th.outlier) * med for x in mine):
+                        slow_hosts.add(h)
+                        hosts.setdefault(h, []).append(
+                            f"{name}: its {len(mine)} GPUs {statistics.median(mine):,.0f} vs other hosts' median "
+                            f"{med:,.0f}")
+            rest = [v for v in group if v.host not in slow_hosts]
+            if len(rest) < 3:  # with two, "far from the other" does not say which one is odd
+                continue
+            for v in rest:
+                med = statistics.median([value(p) for p in rest if p is not v])
+                if med > 0 and abs(value(v) - med) / med > th.outlier:
+                    gpus.setdefault(v.worker, []).append(f"{name} {value(v):,.0f} vs peers' median {med:,.0f}")
+    return gpus, hosts
 
 
 def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = None) -> WindowReport:
@@ -187,20 +353,45 @@ def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = 
     th = th or Thresholds()
     last = snapshots[-1]
     backlog = last.total_backlog
+    multihost = len({w.host for w in last.workers}) > 1
+    series = {w.worker: [s for snap in snapshots for s in snap.workers if s.worker == w.worker] for w in last.workers}
+    # Slots the serving fleet leaves unoffered: a backlog smaller than that is the run ending, not our side.
+    short_of = 0.0
+    for samples in series.values():
+        serving = [s for s in samples if s.state == WorkerState.SERVING]
+        if serving:
+            short_of += max(0.0, serving[-1].effective_max - statistics.fmean(s.in_flight for s in serving))
     views = []
     for w in last.workers:
-        samples = [s for snap in snapshots for s in snap.workers if s.worker == w.worker]
-        cls, reasons = _classify_one(samples, backlog, th)
-        serving = [s for s in samples if s.state == "serving"] or samples
+        samples = series[w.worker]
+        cls, reasons, evidence = _classify_one(samples, backlog, short_of, w.worker in last.silent, th)
+        serving = [s for s in samples if s.state == WorkerState.SERVING] or samples
         retracted = [s.metrics.retracted for s in serving if s.metrics.retracted is not None]
+        points = []
+        for snap in snapshots:
+            s = next((x for x in snap.workers if x.worker == w.worker), None)
+            if s is None:
+                continue
+            points.append(Point(ts=snap.ts, serving=s.state == WorkerState.SERVING, generation=s.generation,
+                                filled=s.effective_max > 0
+                                and s.in_flight >= s.effective_max - th.tolerance(s.effective_max),
+                                tokens=s.metrics.generation_tokens_total, tokens_ts=s.metrics.ts,
+                                gen_tps=s.metrics.gen_throughput))
+        rate = _rate(points)
+        label = f"gpu{w.gpu}" if w.gpu is not None else w.queue
         views.append(ServerView(
-            worker=w.worker, gpu=w.gpu, cls=cls, reasons=reasons, state=w.state, strategy=w.strategy,
-            generation=w.generation, effective_max=w.effective_max,
+            worker=w.worker, queue=w.queue, host=w.host, gpu=w.gpu, label=f"{w.host}/{label}" if multihost else label,
+            cls=cls, reasons=reasons, state=w.state, strategy=w.strategy, generation=w.generation,
+            effective_max=w.effective_max, slots=w.slots or w.effective_max,
             in_flight=statistics.fmean(s.in_flight for s in serving),
-            running=_mean([s.metrics.running for s in serving]), kv=_mean([s.metrics.full_kv_usage for s in serving]),
-            mamba=_mean([s.metrics.mamba_usage for s in serving]), cache_hit_rate=w.metrics.cache_hit_rate,
-            tokens_per_s=statistics.fmean(server_tokens_per_s(s) for s in serving),
-            retracted=(retracted[-1] - retracted[0]) if retracted else 0.0))
-    flagged = _outliers(views, th)
-    views = [replace(v, outliers=flagged.get(v.worker, [])) for v in views]
-    return WindowReport(start=snapshots[0].ts, end=last.ts, servers=views, backlog=backlog, eta_s=last.eta_s())
+            running=_mean([s.metrics.running for s in serving]), queued=_mean([s.metrics.queued for s in serving]),
+            kv=_mean([s.metrics.full_kv_usage for s in serving]), mamba=_mean([s.metrics.mamba_usage for s in serving]),
+            cache_hit_rate=w.metrics.cache_hit_rate,
+            tokens_per_s=rate if rate is not None else statistics.fmean(s.tokens_per_s for s in serving),
+            retracted=(retracted[-1] - retracted[0]) if retracted else 0.0,
+            evidence=evidence if cls == MAMBA_BOUND else "", filling=evidence == "filling", facts=w.facts,
+            points=tuple(points)))
+    gpu_flags, host_flags = _flag(views, th)
+    views = [replace(v, outliers=gpu_flags.get(v.worker, [])) for v in views]
+    return WindowReport(start=snapshots[0].ts, end=last.ts, servers=views, backlog=backlog, eta_s=last.eta_s(),
+                        hosts=host_flags)

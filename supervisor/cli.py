@@ -1,4 +1,11 @@
-"""`supervisor watch | run | restart | report`: thin; parse, build, call one function."""
+"""`supervisor watch | status | run | restart | report`: thin; parse, build, call one function.
+
+    supervisor watch              the autopilot with its live view (console lines when not a terminal)
+    supervisor watch --dry-run    the same, advising only: nothing is restarted
+    supervisor watch --view-only  the live view alone, read-only (also: --once [--json])
+    supervisor status [--json]    one read-only snapshot
+    supervisor run                the autopilot without the live view (console lines), e.g. under honcho
+"""
 
 from __future__ import annotations
 
@@ -20,46 +27,61 @@ from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.records import ServerSpec
 
-from .autopilot import Settings
-from .classify import classify_window
-from .fleet import FleetSnapshot, read_fleet
+from .autopilot import Settings, State
+from .classify import WindowReport, classify_window
+from .fleet import FleetSnapshot, Freshness, read_fleet
 from .ladder import LadderConfig
-from .view import render
+from .view import phase_line, render
 
 __all__ = ["main"]
+
+
+def _autopilot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true", help="advise (events, console) without restarting anything")
+    p.add_argument("--window", type=float, default=10.0, help="observation window, seconds")
+    p.add_argument("--windows", type=int, default=3,
+                   help="consecutive stalled windows before acting when only the gauges say mamba-bound")
+    p.add_argument("--static-windows", type=int, default=1,
+                   help="... when the servers' start-up facts say their mamba pool caps them")
+    p.add_argument("--sample", type=float, default=1.0, help="sampling period within a window, seconds")
+    p.add_argument("--restart-cost", type=float, default=300.0,
+                   help="one server restart's cost in seconds until the canary has measured one (load + warm-up)")
+    p.add_argument("--margin", type=float, default=0.2, help="the canary must beat its peers' tokens/s by this share")
+    p.add_argument("--verify-windows", type=int, default=2,
+                   help="windows of steady measurement for the canary and after the rollout")
+    p.add_argument("--rollout-batch", type=int, default=2, help="servers restarting at once during the rollout")
+    p.add_argument("--phase-timeout", type=float, default=900.0,
+                   help="seconds a canary may take to serve and be measured, a rollout to progress, a check to run")
+    p.add_argument("--retry-after", type=float, default=600.0,
+                   help="seconds before a rolled-back change may be tried again (doubles each time it fails)")
+    p.add_argument("--forbid", action="append", default=[], choices=STRATEGIES, help="never move to this strategy")
+    p.add_argument("--keep-prefix-cache", action="store_true", help="the workload needs the radix cache: no no_radix")
+    p.add_argument("--mem-fraction-static", type=float, default=0.90, help="with the first rung up (0: leave it)")
+    p.add_argument("--max-running-requests", type=int, default=128, help="a ceiling that should not bind (0: leave)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
+    p.add_argument("--metrics-addr", default="127.0.0.1")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="supervisor", description="Watch (and steer) a batchfleet fleet.")
     sub = parser.add_subparsers(dest="command", required=True)
-    watch = sub.add_parser("watch", help="one row per worker with its class, refreshed live")
-    watch.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    watch = sub.add_parser("watch", help="the autopilot with its live view: diagnose, canary, roll out or back")
+    _autopilot_args(watch)
+    watch.add_argument("--view-only", action="store_true", help="only the live view; never writes anything")
+    watch.add_argument("--once", action="store_true", help="print one read-only snapshot and exit")
     watch.add_argument("--json", action="store_true", help="with --once: machine-readable")
-    watch.add_argument("--interval", type=float, default=2.0, help="refresh period, seconds")
-
-    run = sub.add_parser("run", help="the autopilot: diagnose, canary, roll out or roll back")
-    run.add_argument("--dry-run", action="store_true", help="advise (events, console) without restarting anything")
-    run.add_argument("--window", type=float, default=10.0, help="observation window, seconds")
-    run.add_argument("--windows", type=int, default=3, help="consecutive stalled windows before acting")
-    run.add_argument("--sample", type=float, default=1.0, help="sampling period within a window, seconds")
-    run.add_argument("--restart-cost", type=float, default=300.0,
-                     help="estimated downtime of one server restart, seconds (model load + warm-up)")
-    run.add_argument("--margin", type=float, default=0.2, help="the canary must beat its peers' tokens/s by this share")
-    run.add_argument("--verify-windows", type=int, default=2, help="windows measured on the canary and after rollout")
-    run.add_argument("--rollout-batch", type=int, default=2, help="servers restarting at once during the rollout")
-    run.add_argument("--forbid", action="append", default=[], choices=STRATEGIES, help="never move to this strategy")
-    run.add_argument("--keep-prefix-cache", action="store_true", help="the workload needs the radix cache: no no_radix")
-    run.add_argument("--mem-fraction-static", type=float, default=0.90, help="with the first rung up (0: leave it)")
-    run.add_argument("--max-running-requests", type=int, default=128, help="a ceiling that should not bind (0: leave)")
-    run.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
-    run.add_argument("--metrics-addr", default="127.0.0.1")
+    watch.add_argument("--interval", type=float, default=2.0, help="--view-only refresh period, seconds")
+    status = sub.add_parser("status", help="one read-only snapshot of the fleet")
+    status.add_argument("--json", action="store_true", help="machine-readable")
+    run = sub.add_parser("run", help="the autopilot without the live view (one console line per decision)")
+    _autopilot_args(run)
 
     restart = sub.add_parser("restart", help="operator: restart the fleet (or one canary) on another spec")
     restart.add_argument("--strategy", required=True, choices=STRATEGIES)
     restart.add_argument("--mem-fraction-static", type=float)
     restart.add_argument("--max-running-requests", type=int)
-    restart.add_argument("--canary", nargs="?", const="", metavar="WORKER",
-                         help="only this worker (default: the first serving one)")
+    restart.add_argument("--canary", nargs="?", const="", metavar="QUEUE",
+                         help="only this GPU (its queue or worker name; default: the first serving one)")
 
     report = sub.add_parser("report", help="PNG of fleet tokens/s and per-GPU in-flight, restarts marked; summary")
     report.add_argument("out", type=Path)
@@ -74,52 +96,75 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
         return 2
-    r = connect(config.redis_url)
+    r = connect(config.redis_url, socket_timeout_s=15.0)  # a Redis that stops answering is an outage, not a hang
     k = Keys(config.run)
-    try:
-        r.ping()
-    except Exception as exc:
-        print(f"supervisor: cannot reach Redis at {redacted(config.redis_url)}: {exc}", file=sys.stderr)
-        return 2
-    return {"watch": _watch, "run": _run, "restart": _restart, "report": _report}[args.command](args, config, r, k)
+    long_running = args.command == "run" or (args.command == "watch" and not args.once)
+    if not long_running:  # the autopilot waits for Redis rather than exit on a blip
+        try:
+            r.ping()
+        except Exception as exc:
+            print(f"supervisor: cannot reach Redis at {redacted(config.redis_url)}: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "watch":
+        if args.once:
+            return _status(args, config, r, k)
+        if args.view_only:
+            return _view(args, config, r, k)
+    return {"watch": _autopilot, "run": _autopilot, "status": _status, "restart": _restart,
+            "report": _report}[args.command](args, config, r, k)
 
 
-def _watch(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -> int:
+def _classes_of(recent: deque[FleetSnapshot]) -> WindowReport | None:
+    return classify_window(list(recent)) if recent and recent[-1].workers else None
+
+
+def _status(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -> int:
+    snap = read_fleet(r, k, queue_pattern=config.queue_pattern)
+    report = classify_window([snap]) if snap.workers else None
+    classes = {v.worker: str(v.cls) for v in report.servers} if report else {}
+    if args.json:
+        sys.stdout.write(orjson.dumps({**snap.to_dict(), "classes": classes}).decode() + "\n")
+    else:
+        console = Console()
+        console.print(render(snap, report=report, width=console.width))
+    return 0
+
+
+def _view(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -> int:
+    """Read-only live view: classifies the last few snapshots itself, writes nothing."""
     recent: deque[FleetSnapshot] = deque(maxlen=5)
+    freshness = Freshness()
+    console = Console()
 
-    def frame() -> tuple[FleetSnapshot, dict[str, str]]:
-        recent.append(read_fleet(r, k, queue_pattern=config.queue_pattern))
-        snap = recent[-1]
-        classes = {v.worker: v.cls for v in classify_window(list(recent)).servers} if snap.workers else {}
-        return snap, classes
+    def frame() -> object:
+        try:
+            recent.append(read_fleet(r, k, queue_pattern=config.queue_pattern, freshness=freshness))
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            from rich.text import Text
 
-    if args.once:
-        snap, classes = frame()
-        if args.json:
-            sys.stdout.write(orjson.dumps({**snap.to_dict(), "classes": classes}).decode() + "\n")
-        else:
-            Console().print(render(snap, classes=classes))
-        return 0
-    snap, classes = frame()
+            return Text(f"Redis at {redacted(config.redis_url)} unreachable ({exc}); retrying", style="red")
+        return render(recent[-1], report=_classes_of(recent), width=console.width)
+
     try:
-        with Live(render(snap, classes=classes), refresh_per_second=4) as live:
+        with Live(frame(), console=console, refresh_per_second=4) as live:
             while True:
                 time.sleep(args.interval)
-                snap, classes = frame()
-                live.update(render(snap, classes=classes))
+                live.update(frame())
     except KeyboardInterrupt:
         return 0
 
 
-def _run(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -> int:
+def _autopilot(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -> int:
     from .prom import FleetMetrics
     from .run import run_autopilot
 
     forbid = set(args.forbid) | ({"no_radix"} if args.keep_prefix_cache else set())
     ladder = LadderConfig(forbid=frozenset(forbid), mem_fraction_static=args.mem_fraction_static or None,
                           max_running_requests=args.max_running_requests or None)
-    settings = Settings(windows=args.windows, dry_run=args.dry_run, restart_cost_s=args.restart_cost,
-                        margin=args.margin, verify_windows=args.verify_windows, rollout_batch=args.rollout_batch)
+    settings = Settings(windows=args.windows, static_windows=args.static_windows, dry_run=args.dry_run,
+                        restart_cost_s=args.restart_cost, margin=args.margin, verify_windows=args.verify_windows,
+                        rollout_batch=args.rollout_batch, phase_timeout_s=args.phase_timeout,
+                        retry_after_s=args.retry_after)
     metrics = FleetMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
@@ -130,9 +175,21 @@ def _run(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -> i
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    run_autopilot(r, k, settings=settings, ladder=ladder, window_s=args.window, sample_s=args.sample,
-                  queue_pattern=config.queue_pattern, metrics=metrics, say=lambda s: print(s, flush=True),
-                  should_stop=lambda: stop["now"])
+    common = dict(settings=settings, ladder=ladder, window_s=args.window, sample_s=args.sample,
+                  queue_pattern=config.queue_pattern, metrics=metrics, should_stop=lambda: stop["now"],
+                  redis_label=redacted(config.redis_url))
+    live_view = args.command == "watch" and sys.stdout.isatty()
+    if not live_view:
+        run_autopilot(r, k, say=lambda s: print(s, flush=True), **common)  # type: ignore[arg-type]
+        return 0
+    console = Console()
+    with Live(console=console, refresh_per_second=2, transient=False) as live:
+        def show(snap: FleetSnapshot, report: WindowReport | None, state: State) -> None:
+            live.update(render(snap, report=report, width=console.width,
+                               phase=phase_line(state, dry_run=settings.dry_run)))
+
+        run_autopilot(r, k, say=lambda s: live.console.print(s, highlight=False), show=show,  # type: ignore[arg-type]
+                      **common)
     return 0
 
 
@@ -143,14 +200,14 @@ def _restart(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) 
     if canary == "":
         serving = [w for w in read_fleet(r, k, queue_pattern=config.queue_pattern).workers if w.state == "serving"]
         if not serving:
-            print("supervisor: no serving worker to canary; name one: --canary WORKER", file=sys.stderr)
+            print("supervisor: no serving worker to canary; name one: --canary QUEUE", file=sys.stderr)
             return 1
-        canary = serving[0].worker
+        canary = serving[0].queue
     spec = manual_restart(r, k, ServerSpec(strategy=args.strategy, mem_fraction_static=args.mem_fraction_static,
                                            max_running_requests=args.max_running_requests),
                           canary=canary, queue_pattern=config.queue_pattern)
     print(f"{'canary ' + canary if canary else 'fleet'} -> {spec.describe()} (generation {spec.generation}); "
-          "workers pick it up within a second: watch with `supervisor watch`")
+          "workers pick it up within a second: watch with `supervisor watch --view-only`")
     return 0
 
 
@@ -159,7 +216,7 @@ def _report(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -
 
     samples, events = load(r, k)
     if not samples:
-        print(f"supervisor: no history for run {config.run!r}: `supervisor run` writes it while the fleet works",
+        print(f"supervisor: no history for run {config.run!r}: `supervisor watch` writes it while the fleet works",
               file=sys.stderr)
         return 1
     plot(samples, events, args.out, title=args.title or f"batchfleet run {config.run}")

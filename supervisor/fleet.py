@@ -14,7 +14,7 @@ import redis
 from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, Keys
 from batchfleet.records import Event, RecordError, WorkerStatus
 
-__all__ = ["FleetSnapshot", "read_fleet"]
+__all__ = ["FleetSnapshot", "Freshness", "read_events", "read_fleet", "skip_record"]
 
 log = logging.getLogger("batchfleet.supervisor")
 _said: set[str] = set()
@@ -35,6 +35,7 @@ class FleetSnapshot:
     backlog: dict[str, int]  # queue -> prompts waiting in Redis
     stats: dict[str, int]
     events: list[Event] = field(default_factory=list)
+    silent: frozenset[str] = frozenset()  # workers whose status record stopped changing (see Freshness)
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,7 +77,31 @@ class FleetSnapshot:
                 "events": [asdict(e) for e in self.events]}
 
 
-def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", events: int = 10) -> FleetSnapshot:
+class Freshness:
+    """Which workers' status records stopped changing, judged on the supervisor's own clock only (a
+    record's `ts` is its host's clock: it is compared with that same record's earlier `ts`, never with
+    another host's or ours). A killed worker's record lives on until it expires (30 s); this says sooner."""
+
+    def __init__(self, silent_after_s: float = 10.0) -> None:
+        self.silent_after_s = silent_after_s
+        self._seen: dict[str, tuple[float, float]] = {}  # worker -> (its record's ts, our time it changed)
+
+    def observe(self, workers: list[WorkerStatus], now: float) -> frozenset[str]:
+        silent = set()
+        for w in workers:
+            ts, since = self._seen.get(w.worker, (None, now))
+            if ts != w.ts:
+                since = now
+            self._seen[w.worker] = (w.ts, since)
+            if now - since > self.silent_after_s:
+                silent.add(w.worker)
+        for name in set(self._seen) - {w.worker for w in workers}:
+            del self._seen[name]
+        return frozenset(silent)
+
+
+def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", events: int = 10,
+               freshness: Freshness | None = None) -> FleetSnapshot:
     names = sorted(m.decode() for m in r.smembers(k.workers))
     queues = sorted(m.decode()[len(RQ_QUEUE_PREFIX):] for m in r.smembers(RQ_QUEUES))
     queues = [q for q in queues if re.fullmatch(queue_pattern, q)]
@@ -101,16 +126,24 @@ def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", event
             skip_record(f"status of {name}", exc)
     if gone:
         r.srem(k.workers, *gone)
-    workers.sort(key=lambda w: (w.gpu if w.gpu is not None else 1_000_000, w.host, w.worker))
+    # One record per queue (a GPU's stable identity): a worker killed and restarted under a new name
+    # leaves its old record until it expires; the newest of the same queue is the live one.
+    newest: dict[str, WorkerStatus] = {}
+    for w in workers:
+        if w.queue not in newest or w.ts > newest[w.queue].ts:
+            newest[w.queue] = w
+    workers = sorted(newest.values(), key=lambda w: (w.host, w.gpu if w.gpu is not None else 1_000_000, w.worker))
     counters: dict[str, int] = {}
     for kk, v in stats.items():
         try:
             counters[kk.decode()] = int(float(v))
         except ValueError as exc:
             skip_record(f"counter {kk!r}", exc)
+    now = time.time()
     return FleetSnapshot(
-        ts=time.time(), workers=workers, backlog=dict(zip(queues, lengths, strict=True)),
-        stats=counters, events=read_events(raw_events))
+        ts=now, workers=workers, backlog=dict(zip(queues, lengths, strict=True)),
+        stats=counters, events=read_events(raw_events),
+        silent=freshness.observe(workers, now) if freshness is not None else frozenset())
 
 
 def read_events(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Event]:

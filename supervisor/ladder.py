@@ -5,22 +5,31 @@ mamba state slots per running request, so for one memory budget the capacity is 
 
     default (auto -> extra_buffer with the overlap schedule) 5 -> no_buffer 3 -> radix cache off 1
 
-The no_buffer rung also raises `--mem-fraction-static` (a bigger pool; how much bigger depends on
-memory the status records do not carry, so the prediction leaves it out: it is a bonus) and sets a
-`--max-running-requests` ceiling high enough not to bind. The worker adds
+The no_buffer rung also raises `--mem-fraction-static` and sets a `--max-running-requests` ceiling
+high enough not to bind. How much bigger the pools get is predicted from the memory figures the
+workers publish (`ServerFacts`, read from the server's start-up log and `/server_info`), with
+SGLang's sizing (reference §1):
+
+    rest(mf)  = memory_before_load * mf - weights - held      (held: activations, graphs; unknown)
+    so rest(mf') = rest(mf) + memory_before_load * (mf' - mf), with rest(mf) = KV pool + mamba pool
+    both pools are a fixed share of rest: pool' + 1 = (pool + 1) * rest' / rest, tokens' likewise
+    cap'      = min(pool' // slots_per_request', tokens' // 2, --max-running-requests')
+
+Without those figures (older workers) the prediction is the slot ratio alone. The worker adds
 `--disable-overlap-schedule` where the server's version needs it. Radix off is only proposed when
 the measured cache hit rate says prefix caching buys little.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from batchfleet.config import STRATEGIES
-from batchfleet.records import ServerSpec, WorkerStatus
+from batchfleet.records import ServerFacts, ServerSpec, WorkerStatus
 
-__all__ = ["LADDER", "SLOTS_PER_REQUEST", "LadderConfig", "Proposal", "current_spec", "next_rung", "spec_key"]
+__all__ = ["LADDER", "SLOTS_PER_REQUEST", "LadderConfig", "Prediction", "Proposal", "current_spec", "next_rung",
+           "predict_capacity", "spec_key"]
 
 SLOTS_PER_REQUEST = {"default": 5, "extra_buffer": 5, "extra_buffer_lazy": 4, "no_buffer": 3, "no_radix": 1}
 LADDER = ("default", "no_buffer", "no_radix")  # the rungs the autopilot climbs, cheapest change first
@@ -40,6 +49,52 @@ class LadderConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Prediction:
+    capacity: int | None  # predicted effective max running requests on the target (None: no figures)
+    ratio: float  # predicted capacity, target / now
+    how: str  # what the prediction rests on, for people
+
+
+def predict_capacity(facts: ServerFacts | None, current: ServerSpec, target: ServerSpec) -> Prediction:
+    """The target's capacity from one server's start-up facts (see the module docstring)."""
+    here = SLOTS_PER_REQUEST.get(current.strategy, 5)
+    there = SLOTS_PER_REQUEST.get(target.strategy, 5)
+    fallback = Prediction(None, here / there, f"{current.strategy} reserves {here} mamba slots per request, "
+                                              f"{target.strategy} {there}")
+    if facts is None or not facts.mamba_pool or not facts.effective_max_running:
+        return fallback
+    pool, tokens = facts.mamba_pool, facts.max_total_num_tokens
+    scale, how = 1.0, f"pool {pool} / {there} per request"
+    mf_now, mf_new = facts.mem_fraction_static, target.mem_fraction_static
+    rest = (facts.kv_gb or 0.0) + (facts.mamba_gb or 0.0)
+    if mf_new is not None and mf_now is not None and mf_new != mf_now and facts.memory_before_load_gb and \
+            facts.kv_gb is not None and facts.mamba_gb is not None and rest > 0:
+        scale = max(0.0, rest + facts.memory_before_load_gb * (mf_new - mf_now)) / rest
+        how = (f"mem {mf_now:g} -> {mf_new:g} grows the pools x{scale:.2f} ({rest:.1f} -> {rest * scale:.1f} GB of "
+               f"{facts.memory_before_load_gb:.1f} GB)")
+    elif mf_new is not None and mf_new != mf_now:
+        how += " (the memory fraction's gain is not predicted: no memory figures)"
+    if target.strategy == "no_radix":
+        # Radix off: the pool is sized to --max-running-requests when given, one slot per request.
+        new_pool = target.max_running_requests or int((pool + 1) * scale - 1)
+    else:
+        new_pool = int((pool + 1) * scale - 1)
+    caps = [new_pool // there]
+    if tokens and facts.kv_gb and facts.mamba_gb is not None:
+        # The KV pool gets what the mamba pool leaves: a bigger pool (radix off) shrinks it.
+        slot_gb, token_gb = facts.mamba_gb / (pool + 1), facts.kv_gb / tokens
+        caps.append(max(0, int((rest * scale - (new_pool + 1) * slot_gb) / token_gb)) // 2)
+    elif tokens:
+        caps.append(int(tokens * scale) // 2)
+    if target.max_running_requests:
+        caps.append(target.max_running_requests)
+    capacity = max(0, min(caps))
+    cap_now = facts.effective_max_running
+    return Prediction(capacity, capacity / cap_now if cap_now else fallback.ratio,
+                      f"{cap_now} -> {capacity} slots: {how}")
+
+
+@dataclass(frozen=True, slots=True)
 class Proposal:
     """The next rung (generation 0: the caller numbers it), or None with the reasons why not."""
 
@@ -53,10 +108,12 @@ def spec_key(spec: ServerSpec) -> str:
     return f"{spec.strategy}|{spec.mem_fraction_static}|{spec.max_running_requests}"
 
 
-def next_rung(current: ServerSpec, cfg: LadderConfig, *, failed: Iterable[str] = (),
-              cache_hit_rate: float | None = None) -> Proposal:
-    """The first rung above `current` that is allowed, not tried and failed, and whose conditions hold."""
-    failed = set(failed)
+def next_rung(current: ServerSpec, cfg: LadderConfig, *, failed: Mapping[str, str] | Iterable[str] = (),
+              cache_hit_rate: float | None = None, facts: ServerFacts | None = None) -> Proposal:
+    """The first rung above `current` that is allowed, not `failed` (keys in back-off, with why), and
+    whose conditions hold; the predicted ratio comes from `facts` (one stalled server's) when given."""
+    failed = dict(failed) if isinstance(failed, Mapping) else {k: "was tried in this run and did not gain"
+                                                               for k in failed}
     here = SLOTS_PER_REQUEST.get(current.strategy, 5)
     why_not = []
     for strategy in LADDER:
@@ -82,11 +139,10 @@ def next_rung(current: ServerSpec, cfg: LadderConfig, *, failed: Iterable[str] =
             ceiling = max(ceiling or 0, cfg.max_running_requests)
         target = ServerSpec(generation=0, strategy=strategy, mem_fraction_static=mem, max_running_requests=ceiling)
         if spec_key(target) in failed:
-            why_not.append(f"{target.describe()} was tried in this run and did not gain")
+            why_not.append(f"{target.describe()} {failed[spec_key(target)]}")
             continue
-        ratio = here / slots
-        return Proposal(target, ratio, [f"{current.strategy} reserves {here} mamba slots per request, {strategy} "
-                                        f"{slots}: capacity x{ratio:.2f} (more with the larger memory fraction)"])
+        pred = predict_capacity(facts, current, target)
+        return Proposal(target, pred.ratio, [f"predicted capacity x{pred.ratio:.2f}: {pred.how}"])
     return Proposal(None, 1.0, why_not or [f"{current.strategy} is the top rung"])
 
 

@@ -1,11 +1,11 @@
-"""The fleet's metrics for Prometheus (`supervisor run --metrics-port P`), on a private registry so
+"""The fleet's metrics for Prometheus (`supervisor watch --metrics-port P`), on a private registry so
 nothing of the supervisor process itself leaks in."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from .autopilot import State
+from .autopilot import Phase, State
 from .classify import CLASSES, WindowReport, server_tokens_per_s
 from .fleet import FleetSnapshot
 
@@ -55,9 +55,9 @@ class FleetMetrics:
         if report is not None:
             for v in report.servers:
                 for c in CLASSES:
-                    self.cls.labels(v.worker, str(v.gpu), c).set(1 if v.cls == c else 0)
-        for p in ("observing", "canary", "rolling_out", "verifying"):
-            self.phase.labels(p).set(1 if state.phase == p else 0)
+                    self.cls.labels(v.worker, str(v.gpu), str(c)).set(1 if v.cls == c else 0)
+        for p in Phase:
+            self.phase.labels(str(p)).set(1 if state.phase == p else 0)
         for e in snap.events:
             if e.ts > self._last_event_ts:
                 self.events.labels(e.kind).inc()

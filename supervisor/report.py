@@ -1,5 +1,5 @@
 """`supervisor report OUT.png`: fleet tokens/s and per-GPU in-flight over time with restarts marked,
-from the history stream `supervisor run` writes, plus a short text summary."""
+from the history stream `supervisor watch` writes, plus a short text summary."""
 
 from __future__ import annotations
 
@@ -74,14 +74,16 @@ def plot(samples: list[dict[str, Any]], events: list[Event], out: Path, *, title
     import matplotlib.pyplot as plt
 
     if not samples:
-        raise ValueError("no history to plot: run `supervisor run` while the fleet works (it writes the history)")
+        raise ValueError("no history to plot: run `supervisor watch` while the fleet works (it writes the history)")
     t0 = samples[0]["ts"]
     ts = [s["ts"] - t0 for s in samples]
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 7))
     top.plot(ts, [s["tokens_per_s"] for s in samples], color="black", lw=1.2, label="fleet (server-reported)")
     top.set_ylabel("fleet tokens/s")
     top.set_title(title)
-    labels = {w: f"gpu{g['gpu']}" if g.get("gpu") is not None else w for s in samples for w, g in s["gpus"].items()}
+    hosts = {g.get("host") for s in samples for g in s["gpus"].values()}
+    labels = {w: (f"{g.get('host')}/" if len(hosts) > 1 else "") + (f"gpu{g['gpu']}" if g.get("gpu") is not None else w)
+              for s in samples for w, g in s["gpus"].items()}
     for w in sorted(labels, key=lambda w: (len(labels[w]), labels[w])):
         bottom.plot(ts, [s["gpus"].get(w, {}).get("in_flight", float("nan")) for s in samples], lw=0.9,
                     label=labels[w])

@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 
 from batchfleet.keys import Keys
 from batchfleet.records import Event, ServerMetrics, ServerSpec, WorkerStatus
-from supervisor.autopilot import Emit, SetFleet, SetOverride, State
+from supervisor.autopilot import DropFields, Emit, SetFleet, SetOverride, State
 from supervisor.cli import main
 from supervisor.fleet import read_fleet
 from supervisor.prom import FleetMetrics
@@ -38,8 +38,8 @@ def fleet(r, redis_url, monkeypatch):
 
 def test_manual_restart_canary_then_fleet(fleet):
     spec = manual_restart(fleet, K, ServerSpec(strategy="no_buffer", mem_fraction_static=0.9), canary="w0")
-    assert spec.generation == 1
-    assert ServerSpec.from_json(fleet.hget(K.control, Keys.control_worker("w0"))) == spec
+    assert spec.generation == 1  # named by worker, written for its queue (a stable identity)
+    assert ServerSpec.from_json(fleet.hget(K.control, Keys.control_queue("gpu0"))) == spec
     spec2 = manual_restart(fleet, K, ServerSpec(strategy="no_buffer", mem_fraction_static=0.9))
     assert spec2.generation == 2  # generations only increase, overrides included
     assert fleet.hkeys(K.control) == [b"fleet"]  # the fleet spec replaced every override
@@ -50,12 +50,16 @@ def test_manual_restart_canary_then_fleet(fleet):
 def test_apply_writes_specs_then_events_and_read_control_reads_them_back(fleet):
     said = []
     spec = ServerSpec(generation=3, strategy="no_buffer")
-    apply(fleet, K, [Emit(Event("decision", "why")), SetOverride("w1", spec)], say=said.append)
+    apply(fleet, K, [Emit(Event("decision", "why")), SetOverride("gpu1", spec)], say=said.append)
+    fleet.hset(K.control, Keys.control_worker("old.gpu0.1"), ServerSpec(generation=5).to_json())  # older supervisor
     control = read_control(fleet, K, read_fleet(fleet, K))
-    assert control.overrides == {"w1": spec} and control.fleet is None and control.next_generation() == 4
+    assert control.overrides == {"gpu1": spec} and control.fleet is None and control.next_generation() == 6
+    assert control.legacy == {"old.gpu0.1": ServerSpec(generation=5)}
     assert control.current.strategy == "default" and said[0].endswith("decision: why")
     apply(fleet, K, [SetFleet(spec)], say=said.append)
-    assert read_control(fleet, K, read_fleet(fleet, K)).overrides == {}
+    assert fleet.hkeys(K.control) == [b"fleet"]  # overrides of both kinds went in the same transaction
+    apply(fleet, K, [SetOverride("gpu0", spec), SetOverride("gpu1", spec), DropFields(("queue:gpu0",))])
+    assert sorted(fleet.hkeys(K.control)) == [b"fleet", b"queue:gpu1"]
 
 
 def test_watch_once_json_has_classes(fleet, capsys):
@@ -89,3 +93,54 @@ def test_report_plots_history_and_summarizes(fleet, tmp_path, capsys):
     plot(samples, events, out)
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert main(["report", str(tmp_path / "cli.png")]) == 0 and (tmp_path / "cli.png").exists()
+
+
+def _render_text(snap, report, width: int, phase: str = "") -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    from supervisor.view import render
+
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(render(snap, report=report, width=width, phase=phase))
+    return out.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_the_view_fits_the_terminal_and_keeps_the_diagnosis_readable(width):
+    from supervisor.classify import classify_window
+    from supervisor.fleet import FleetSnapshot
+
+    from .test_supervisor_core import SEED, window, ws
+
+    def fleet(t: float) -> list[WorkerStatus]:
+        return ([ws(g, t=t, host="gpu-host-a", facts=SEED) for g in range(3)]
+                + [ws(4, t=t, host="gpu-host-b", in_flight=8, slots=8)]
+                + [ws(5 + g, t=t, host="gpu-host-b", facts=SEED) for g in range(2)])
+    snaps: list[FleetSnapshot] = window(fleet)
+    report = classify_window(snaps)
+    lines = _render_text(snaps[-1], report, width, phase="autopilot: observing, 1 stalled window(s)")
+    assert max(len(line) for line in lines) <= width
+    header = lines[1].split()
+    assert header[:2] == ["gpu", "state"] and {"slots", "tok/s", "mamba", "KV", "class"} <= set(header)
+    text = " ".join(" ".join(lines).split())
+    stalled = [v for v in report.servers if v.cls == "mamba-bound"]
+    assert f"{', '.join(v.label for v in stalled)} mamba-bound: {stalled[0].reasons[0]}" in text  # said once
+    (slow,) = [v for v in report.servers if v.cls == "client-bound"]  # a problem: said in full, for that GPU
+    assert f"{slow.label} client-bound: {'; '.join(slow.reasons)}" in text
+    assert "gpu-host-a: 3 GPU(s)" in text and "gpu-host-b: 3 GPU(s)" in text
+    assert "BATCHFLEET_MAX_IN_FLIGHT" in text
+    rows = [line for line in lines if line.strip().startswith(("0 ", "1 ", "4 "))]
+    assert len(rows) == 3 and all(("mamba-bound" in r) or ("client-bound" in r) for r in rows)
+    optional = {"strategy", "run", "wait", "hit", "done", "fail"} & set(header)
+    if width == 120:
+        assert optional == {"strategy", "run", "wait", "hit", "done", "fail"}
+
+
+def test_status_prints_one_snapshot_and_watch_once_stays_its_alias(fleet, capsys):
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "mamba-bound" in out and "gpu0" in out
+    assert main(["watch", "--once", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["classes"] == {"w0": "mamba-bound", "w1": "mamba-bound"}

@@ -1,14 +1,22 @@
 """The supervisor against real processes: `rq worker gpuN` with our worker class, simulated SGLang
-servers, real Redis, and `supervisor run` as a subprocess. The seed scenario must restart the fleet
-onto no_buffer; the control scenarios must not restart anything."""
+servers, real Redis, and `supervisor watch` as a subprocess. The seed scenario must restart the fleet
+onto no_buffer; the control scenarios must not restart anything; a rollout must survive a worker
+killed and restarted, roll back when a server fails on the new spec, and climb to the radix-off rung."""
 
 from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
 
 import orjson
 import pytest
 
 from batchfleet.keys import Keys
-from bench.bench_seed import SupervisorProc, exactly_once, run_seed, write_seed_prompts
+from batchfleet.records import ServerSpec
+from bench.bench_seed import SupervisorProc, exactly_once, run_seed, seed_env, write_seed_prompts
+from supervisor.fleet import read_fleet
 
 from .fleet import Fleet
 
@@ -19,23 +27,31 @@ FAST = ("--window", "2", "--windows", "3", "--sample", "0.5", "--restart-cost", 
 
 
 def test_seed_scenario_mamba_bound_fleet_moves_to_no_buffer(tmp_path, redis_url):
-    # Long generations, as in the seed run: every admission costs a prefill batch, and with short ones
-    # that churn eats into the gain of more slots (the simulator's own ceiling is ~x1.9). Three
-    # verification windows average out the noise of a shared 2-core box.
-    res = run_seed(tmp_path, redis_url, gpus=2, prompts=900, time_scale=5, rollout_batch=1, tokens=(500, 900),
-                   verify_windows=3)
-    log = res["supervisor_log"]
-    assert res["windows_to_decide"] <= 3, log
-    assert res["slots_before"] == [37] and res["slots_after"] == [72], log
+    """Window 5 s, long generations as in the seed run. The verdicts are checked against what the
+    simulator's own profile predicts for this move (slots from its memory model, tokens/s from its
+    step model), not a hard-coded figure: the per-server ratio over steady windows must reach the
+    profile's lower bound (less 2 % for the workers' round trips), and cannot beat its ideal."""
+    res = run_seed(tmp_path, redis_url, gpus=2, prompts=1000, time_scale=5, rollout_batch=1, tokens=(500, 900),
+                   window_s=5, verify_windows=2)
+    log, want = res["supervisor_log"], res["expected"]
+    print(f"seed: ratio x{res['ratio']:.3f} per server, canary x{res['canary_ratio']:.3f} (same windows), "
+          f"decided in {res['windows_to_decide']} window(s); profile: ideal x{want['ideal']:.3f}, "
+          f"low x{want['low']:.3f}")
+    assert want["low"] >= 1.8  # the scenario's premise: the seed's gain
+    assert res["windows_to_decide"] <= 3 and res["evidence"] == "start-up facts", log
+    assert res["slots_before"] == [want["slots_before"]] and res["slots_after"] == [want["slots_after"]], log
+    assert res["predicted_ratio"] == pytest.approx(want["slots_after"] / want["slots_before"], rel=0.01)
     assert res["strategies_after"] == ["no_buffer"]
-    assert res["ratio"] >= 1.8, log
+    for ratio in (res["ratio"], res["canary_ratio"]):
+        assert 0.98 * want["low"] <= ratio <= 1.02 * want["ideal"], log
     assert res["restarts"] == 2 and res["rollbacks"] == 0
-    assert res["lost"] == 0 and res["duplicated"] == 0 and res["succeeded"] == 900
+    assert res["lost"] == 0 and res["duplicated"] == 0 and res["succeeded"] == 1000
 
 
 def start(tmp_path, redis_url, *, gpus: int, prompts: int, env: dict[str, str], args: tuple[str, ...] = FAST,
-          worker_env: dict[int, dict[str, str]] | None = None, **prompt_kw) -> tuple[Fleet, SupervisorProc]:
-    fleet = Fleet(tmp_path, redis_url, gpus=gpus, env={"BATCHFLEET_SHUTDOWN_GRACE_S": "1", **env})
+          worker_env: dict[int, dict[str, str]] | None = None, run: str = "t",
+          **prompt_kw) -> tuple[Fleet, SupervisorProc]:
+    fleet = Fleet(tmp_path, redis_url, run=run, gpus=gpus, env={"BATCHFLEET_SHUTDOWN_GRACE_S": "1", **env})
     write_seed_prompts(tmp_path / "prompts.jsonl", prompts, **prompt_kw)
     fleet.producer("enqueue", "prompts.jsonl", "--queues", ",".join(f"gpu{g}" for g in range(gpus)))
     for g in range(gpus):
@@ -43,26 +59,32 @@ def start(tmp_path, redis_url, *, gpus: int, prompts: int, env: dict[str, str], 
     return fleet, SupervisorProc(fleet, *args)
 
 
+def backlog(fleet: Fleet) -> int:
+    return sum(fleet.r.llen(Keys.queue(f"gpu{g}")) for g in fleet.workers)
+
+
+def classes(fleet: Fleet) -> dict[str, str]:
+    raw = fleet.r.get(fleet.k.autopilot)
+    return orjson.loads(raw)["classes"] if raw else {}
+
+
 def observe_without_restart(fleet: Fleet, sup: SupervisorProc, cls: str, *, windows: int = 6) -> None:
     """The class shows up in the autopilot's state, and `windows` windows later nothing was restarted."""
-    def classes() -> dict[str, str]:
-        raw = fleet.r.get(fleet.k.autopilot)
-        return orjson.loads(raw)["classes"] if raw else {}
-    fleet.wait_for(lambda: set(classes().values()) == {cls}, 60,
-                   f"every server classified {cls}: {classes()}; supervisor said:\n{sup.output()[-3000:]}")
+    fleet.wait_for(lambda: set(classes(fleet).values()) == {cls}, 60,
+                   f"every server classified {cls}: {classes(fleet)}; supervisor said:\n{sup.output()[-3000:]}")
     seen = len(fleet.r.xrange(fleet.k.history))
     fleet.wait_for(lambda: len(fleet.r.xrange(fleet.k.history)) >= seen + windows * 4, 60, f"{windows} windows")
-    assert set(classes().values()) == {cls}, sup.output()
+    assert set(classes(fleet).values()) == {cls}, sup.output()
     assert not [e for e in sup.events() if e.kind in ("decision", "canary", "rollback", "restarted")], sup.output()
     assert not fleet.r.hgetall(fleet.k.control)
 
 
 def test_client_bound_is_reported_as_ours_and_restarts_nothing(tmp_path, redis_url):
-    fleet, sup = start(tmp_path, redis_url, gpus=1, prompts=600, env={"BATCHFLEET_MAX_IN_FLIGHT": "4"})
+    fleet, sup = start(tmp_path, redis_url, gpus=1, prompts=400, env={"BATCHFLEET_MAX_IN_FLIGHT": "4"})
     try:
-        observe_without_restart(fleet, sup, "client-bound")
+        observe_without_restart(fleet, sup, "client-bound", windows=4)
         (diag,) = sup.events("diagnosis")
-        assert diag.data["ours"] and "our side is slow" in diag.message
+        assert diag.data["ours"] and "our side is slow" in diag.message and "BATCHFLEET_MAX_IN_FLIGHT" in diag.message
         assert "client-bound" in sup.output()  # the console says it too
     finally:
         sup.stop()
@@ -70,10 +92,12 @@ def test_client_bound_is_reported_as_ours_and_restarts_nothing(tmp_path, redis_u
 
 
 def test_saturated_healthy_restarts_nothing(tmp_path, redis_url):
-    # A --max-running-requests ceiling below the mamba pool's cap: full, but mamba usage is low.
-    fleet, sup = start(tmp_path, redis_url, gpus=1, prompts=600, env={"BATCHFLEET_MAX_RUNNING_REQUESTS": "6"})
+    # A --max-running-requests ceiling below the mamba pool's cap: the server says its cap is the request.
+    fleet, sup = start(tmp_path, redis_url, gpus=1, prompts=400, env={"BATCHFLEET_MAX_RUNNING_REQUESTS": "6"})
     try:
-        observe_without_restart(fleet, sup, "saturated-healthy")
+        observe_without_restart(fleet, sup, "saturated-healthy", windows=4)
+        (status,) = fleet.statuses()
+        assert status.facts is not None and status.facts.cap_cause == "requested"
     finally:
         sup.stop()
         fleet.stop_all()
@@ -85,7 +109,7 @@ def test_kv_bound_restarts_nothing(tmp_path, redis_url):
                        env={"SGLANG_SIM_PROFILE": "tiny-plain", "BATCHFLEET_MODEL_PATH": "sim/tiny-plain",
                             "BATCHFLEET_MAX_RUNNING_REQUESTS": "64", "SGLANG_SIM_TIME_SCALE": "5"})
     try:
-        observe_without_restart(fleet, sup, "kv-bound")
+        observe_without_restart(fleet, sup, "kv-bound", windows=4)
     finally:
         sup.stop()
         fleet.stop_all()
@@ -105,26 +129,170 @@ def test_draining_restarts_nothing_and_loses_nothing(tmp_path, redis_url):
     assert exactly_once(fleet, 10) == (0, 0)
 
 
-def test_a_canary_that_does_not_gain_is_rolled_back_and_not_tried_again(tmp_path, redis_url):
+@pytest.mark.parametrize(("tokens", "scale"), [((32, 64), 1.0), ((500, 700), 8.0)], ids=["short", "long"])
+def test_a_mamba_capped_fleet_is_mamba_bound_every_window_short_or_long(tmp_path, redis_url, tokens, scale):
+    """Issue 9 §2b: with short generations the gauges flicker (running a few below the cap, some
+    waiting or in transit, KV at 1-2 %), yet every window must say mamba-bound, from the servers'
+    start-up facts, and the advice comes after one window, at two simulator speeds and both lengths."""
+    prompts = 700 if tokens[1] <= 64 else 500
+    fleet, sup = start(tmp_path, redis_url, gpus=2, prompts=prompts, min_tokens=tokens[0], max_tokens=tokens[1],
+                       env=seed_env(scale), args=("--dry-run", "--window", "3", "--sample", "0.5",
+                                                  "--restart-cost", "1", "--keep-prefix-cache"))
+    try:
+        advice = sup.wait_event("advice", 60)
+        assert advice.data["windows"] == 1 and advice.data["evidence"] == "start-up facts", sup.output()
+        first = len(fleet.r.xrange(fleet.k.history))  # samples from here on carry the classes of a window
+        fleet.wait_for(lambda: len(fleet.r.xrange(fleet.k.history)) >= first + 5 * 6, 60, "5 more windows")
+        assert fleet.finished() < prompts, "the run drained during the observation: add prompts"
+        (status, *_) = fleet.statuses()
+    finally:
+        sup.stop()
+        fleet.stop_all()
+    samples = [orjson.loads(f[b"s"]) for _, f in fleet.r.xrange(fleet.k.history)][first:]
+    seen = [sorted({g["class"] for g in s["gpus"].values()}) for s in samples]
+    assert all(c == ["mamba-bound"] for c in seen), (seen, sup.output())
+    assert not sup.events("diagnosis") and not sup.events("restarted"), sup.output()
+    assert status.facts.cap_cause == "mamba" and status.facts.mamba_pool and status.facts.slots_per_request == 5
+
+
+def test_a_canary_that_does_not_gain_is_rolled_back_and_backs_off(tmp_path, redis_url):
     # knee-hybrid: no_buffer gives 22 slots instead of 12, but decode slows steeply past 12 running.
-    fleet, sup = start(tmp_path, redis_url, gpus=2, prompts=1000,
+    fleet, sup = start(tmp_path, redis_url, gpus=2, prompts=600,
                        env={"SGLANG_SIM_PROFILE": "knee-hybrid", "BATCHFLEET_MODEL_PATH": "sim/knee-hybrid",
                             "SGLANG_SIM_TIME_SCALE": "5"}, args=(*FAST, "--forbid", "no_radix"))
     try:
         rollback = sup.wait_event("rollback", 90)
         assert "did not gain" in rollback.message and rollback.data["measured_ratio"] < 1
-        canary = rollback.data["canary"]
-        fleet.wait_for(lambda: any(s.worker == canary and s.state == "serving" and s.generation == 2
+        assert rollback.data["verdict"] == "failed" and "may be retried after" in rollback.message
+        queue = rollback.data["canary"]
+        fleet.wait_for(lambda: any(s.queue == queue and s.state == "serving" and s.generation == 2
                                    for s in fleet.statuses()), 60, "the canary back on its old spec")
-        # Stalled again, but the change that failed is not tried twice.
-        fleet.wait_for(lambda: any("did not gain" in e.message for e in sup.events("decision")), 60,
-                       "the autopilot to say it has nothing left to try")
+        # Stalled again, but the change that failed is in back-off (600 s by default): not tried again now.
+        fleet.wait_for(lambda: any("did not gain" in e.message and "retry after" in e.message
+                                   for e in sup.events("decision")), 60, "the autopilot to say it backs off")
         assert {(s.strategy, s.effective_max) for s in fleet.statuses()} == {("default", 12)}
-        fleet.wait_for(lambda: fleet.finished() >= 1000, 180, "all prompts")
+        fleet.wait_for(lambda: fleet.finished() >= 600, 180, "all prompts")
     finally:
         sup.stop()
         fleet.stop_all()
     assert len(sup.events("restarted")) == 2  # the canary out and back; nobody else
-    spec = fleet.r.hget(fleet.k.control, Keys.control_worker(canary))
+    spec = fleet.r.hget(fleet.k.control, Keys.control_queue(queue))
     assert orjson.loads(spec)["strategy"] == "default"
-    assert exactly_once(fleet, 1000) == (0, 0)
+    assert exactly_once(fleet, 600) == (0, 0)
+
+
+TINY = {"SGLANG_SIM_TIME_SCALE": "5"}  # tiny-hybrid: 12 slots by default, 22 on no_buffer with mem 0.9
+
+
+def test_rollout_survives_a_worker_killed_and_restarted_and_the_drain_raises_no_false_alarm(tmp_path, redis_url):
+    """Issue 9 §3: a worker kill -9'd and restarted during the rollout comes back under a new name;
+    the override of its queue brings it onto the new spec, the rollout completes, nothing stale stays.
+    §3b: when the backlog runs out, no GPU is called far from its peers or client-bound."""
+    n = 900
+    fleet, sup = start(tmp_path, redis_url, gpus=3, prompts=n, min_tokens=300, max_tokens=500, env=TINY,
+                       args=(*FAST, "--keep-prefix-cache"))
+    try:
+        rollout = sup.wait_event("rollout", 90)
+        victim = int(rollout.data["queue"].removeprefix("gpu"))
+        old = fleet.workers[victim]
+        os.kill(old.pid, signal.SIGKILL)
+        old.wait(10)
+        fleet.start_worker(victim)  # a new pid: a new worker name, the same queue
+        verified = sup.wait_event("verified", 120)
+        statuses = read_fleet(fleet.r, fleet.k).workers  # the killed worker's record lingers: one per queue
+        fleet.wait_for(lambda: backlog(fleet) == 0, 180, "the backlog to run out")
+        drain_ts = time.time()
+        fleet.wait_for(lambda: fleet.finished() >= n, 180, "all prompts")
+        drained = len(fleet.r.xrange(fleet.k.history))
+        fleet.wait_for(lambda: len(fleet.r.xrange(fleet.k.history)) >= drained + 8, 30, "two windows of drain")
+    finally:
+        sup.stop()
+        fleet.stop_all()
+    assert verified.data["ratio"] and verified.data["ratio"] > 1.2, sup.output()
+    assert {(s.strategy, s.effective_max) for s in statuses} == {("no_buffer", 22)}
+    assert {s.queue for s in statuses} == {"gpu0", "gpu1", "gpu2"}
+    assert fleet.r.hkeys(fleet.k.control) == [b"fleet"], "a stale override stayed behind"
+    assert not sup.events("rollback")
+    diagnoses = sup.events("diagnosis")
+    assert not [e.message for e in diagnoses if e.data.get("outliers")], sup.output()  # never "far from its peers"
+    assert not [e.message for e in diagnoses if e.ts >= drain_ts - 1 and e.data.get("cls") in
+                ("client-bound", "kv-bound", "hung")], sup.output()
+    assert exactly_once(fleet, n) == (0, 0)
+
+
+def test_a_server_failing_on_the_new_spec_during_rollout_rolls_everything_back(tmp_path, redis_url):
+    # gpu1's "GPU" cannot hold the larger memory fraction: its server dies at start-up with CUDA OOM
+    # on no_buffer, mem 0.9 (a wrapper around the simulator, as a different card would).
+    wrapper = tmp_path / "sglang-oom-on-no-buffer"
+    wrapper.write_text(f"""#!/bin/sh
+case " $* " in *" --mem-fraction-static 0.9 "*)
+  echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB." >&2; exit 1;; esac
+exec {sys.executable} -m sglang_sim "$@"
+""")
+    wrapper.chmod(0o755)
+    n = 500
+    fleet, sup = start(tmp_path, redis_url, gpus=2, prompts=n, min_tokens=300, max_tokens=500, env=TINY,
+                       args=(*FAST, "--keep-prefix-cache"),
+                       worker_env={1: {"BATCHFLEET_SGLANG_CMD": str(wrapper)}})
+    try:
+        rollback = sup.wait_event("rollback", 120)
+        assert sup.events("canary") and "CUDA out of memory" in rollback.message, sup.output()
+        assert sorted(rollback.data["queues"]) == ["gpu0", "gpu1"]
+        fleet.wait_for(lambda: {(s.strategy, s.state, s.effective_max) for s in fleet.statuses()}
+                       == {("default", "serving", 12)}, 90, "both GPUs back on the old spec")
+        fleet.wait_for(lambda: fleet.finished() >= n, 180, "all prompts")
+    finally:
+        sup.stop()
+        fleet.stop_all()
+    gens = {q: ServerSpec.from_json(fleet.r.hget(fleet.k.control, Keys.control_queue(q))) for q in ("gpu0", "gpu1")}
+    assert {s.strategy for s in gens.values()} == {"default"} and len({s.generation for s in gens.values()}) == 1
+    assert exactly_once(fleet, n) == (0, 0)
+
+
+def test_the_radix_off_rung(tmp_path, redis_url):
+    """A fleet already on no_buffer (22 slots) with diverse prompts (cache hit rate ~0) climbs to radix
+    cache off: one mamba slot per request, 128 slots (the --max-running-requests ceiling)."""
+    n = 1000
+    env = {**TINY, "SGLANG_SIM_TIME_SCALE": "2", "BATCHFLEET_STRATEGY": "no_buffer",
+           "BATCHFLEET_MEM_FRACTION_STATIC": "0.9", "BATCHFLEET_MAX_RUNNING_REQUESTS": "128"}
+    fleet, sup = start(tmp_path, redis_url, gpus=2, prompts=n, min_tokens=120, max_tokens=160, env=env)
+    try:
+        decision = sup.wait_event("decision", 60)
+        assert "no_radix" in decision.message, sup.output()
+        verified = sup.wait_event("verified", 120)
+        statuses = fleet.statuses()
+        fleet.wait_for(lambda: fleet.finished() >= n, 180, "all prompts")
+    finally:
+        sup.stop()
+        fleet.stop_all()
+    assert {(s.strategy, s.effective_max) for s in statuses} == {("no_radix", 128)}, sup.output()
+    assert "--disable-radix-cache" in fleet.sim_record(0)["argv"]
+    assert verified.data["ratio"] and verified.data["ratio"] > 1.2, sup.output()
+    assert exactly_once(fleet, n) == (0, 0)
+
+
+def test_a_worker_follows_a_new_spec_at_once_even_while_its_health_probe_waits(tmp_path, redis_url):
+    """A full server with long generations finishes nothing for a long while, so the worker probes its
+    health with a real generation, which waits for a free slot. The canary's new spec must not wait
+    behind that probe (measured: 14 s on the 8-GPU seed run, until the server's probe timed out): the
+    probe is dropped, not failed (no health-check miss is logged), and the restart starts before any
+    prompt could finish (the first one needs ~200 s here), with every in-flight prompt handed back."""
+    fleet = Fleet(tmp_path, redis_url, run="probe", gpus=1,
+                  env={**seed_env(1), "BATCHFLEET_HEALTH_INTERVAL_S": "1", "BATCHFLEET_SHUTDOWN_GRACE_S": "1"})
+    write_seed_prompts(tmp_path / "prompts.jsonl", 40, min_tokens=3000, max_tokens=3000)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    try:
+        fleet.start_worker(0)
+        fleet.wait_for(lambda: any(s.in_flight == 37 for s in fleet.statuses()), 60, "a full server")
+        time.sleep(3)  # the worker's health probe (every 1 s while nothing finishes) is now waiting for a slot
+        fleet.r.hset(fleet.k.control, Keys.control_queue("gpu0"),
+                     ServerSpec(generation=1, strategy="no_buffer", mem_fraction_static=0.9).to_json())
+        fleet.wait_for(lambda: any(e.kind == "restarted" for e in SupervisorProc.events_of(fleet)), 60,
+                       "the worker to restart on the new spec")
+        finished = fleet.finished()
+        (restarted,) = [e for e in SupervisorProc.events_of(fleet) if e.kind == "restarted"]
+        log = fleet.worker_log(0)
+    finally:
+        fleet.stop_all()
+    assert "health check failed" not in log, log  # it waited for its probe to time out
+    assert finished == 0 and restarted.data["handed_back"] == 37 and restarted.data["capacity"] == 72

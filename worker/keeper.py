@@ -117,7 +117,7 @@ class ServerKeeper:
         if self._restarting is not None:
             await self.events.emit("restarted", f"gpu{self.gpu} now serves {spec.describe()} (generation "
                                    f"{spec.generation}) with {capacity} slots", **self._restarting, capacity=capacity,
-                                   generation=spec.generation, strategy=spec.strategy,
+                                   generation=spec.generation, strategy=spec.strategy, queue=self.spec.queue,
                                    downtime_s=round(time.monotonic() - self._restarting["since"], 2))
             self._restarting = None
         return Phase.SERVE
@@ -196,7 +196,8 @@ class ServerKeeper:
                 continue
             try:
                 # Nothing finished lately: idle, or stuck. Ask for a real generation.
-                await self.server.check_health(self.http, timeout_s=max(20.0, 2 * self.config.health_interval_s))
+                if await self._probe_unless_respecified():
+                    return
                 misses = 0
             except ServerDied as exc:
                 if not self.server.running:
@@ -205,6 +206,25 @@ class ServerKeeper:
                 log.warning("gpu%d: health check failed (%d in a row): %s", self.gpu, misses, exc)
                 if misses >= 2:
                     raise
+
+    async def _probe_unless_respecified(self) -> bool:
+        """The health probe (raises ServerDied), while still following the supervisor: on a full
+        server with long generations the probe waits for a free slot, many seconds; a new spec asked
+        meanwhile cancels it (True) instead of waiting behind it."""
+        probe = asyncio.ensure_future(
+            self.server.check_health(self.http, timeout_s=max(20.0, 2 * self.config.health_interval_s)))
+        try:
+            while True:
+                done, _ = await asyncio.wait({probe}, timeout=1.0)
+                if done:
+                    probe.result()
+                    return False
+                if (await self.spec.desired()).generation != self.server.spec.generation:
+                    return True
+        finally:
+            if not probe.done():
+                probe.cancel()
+                await asyncio.wait({probe}, timeout=5)
 
     async def _settle_exit(self) -> None:
         """A dying process resets its connections a moment before the kernel reports its exit: look

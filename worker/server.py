@@ -22,8 +22,9 @@ import orjson
 from batchfleet import sglang
 from batchfleet.config import Config
 from batchfleet.errors import ServerDied, ServerStartError
-from batchfleet.records import ServerSpec
+from batchfleet.records import ServerFacts, ServerSpec
 
+from .facts import read_facts
 from .flags import ServerCLI, build_argv, read_server_cli
 
 __all__ = ["SGLangServer"]
@@ -49,12 +50,14 @@ class SGLangServer:
         self.flags: list[str] = []  # argv without the command itself, for status records
         self.spec = ServerSpec()
         self.capacity = 0
+        self.facts: ServerFacts | None = None  # what the running server said about itself at start-up
         self._cli: ServerCLI | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def start(self, spec: ServerSpec) -> int:
         """Start, wait for a real generation, discover the effective capacity, return it."""
         await self.stop()
+        self.facts = None
         if self._cli is None:
             self._cli = await asyncio.to_thread(read_server_cli, shlex.split(self.config.sglang_cmd))
         self.spec = spec
@@ -110,12 +113,18 @@ class SGLangServer:
                 info = await sglang.get_server_info(client)
             except (httpx.HTTPError, Exception) as exc:
                 log.warning("gpu%d: server_info unavailable (%s); reading the start-up log", self.gpu, exc)
-        capacity = sglang.effective_capacity(info) or sglang.capacity_from_log(self._log_since_start())
+        log_text = self._log_since_start()
+        capacity = sglang.effective_capacity(info) or sglang.capacity_from_log(log_text)
         if not capacity:
             await self.stop()
             raise ServerStartError(f"gpu{self.gpu}: could not discover the effective max running requests "
                                    "(no internal_states[].effective_max_running_requests_per_dp, no start-up "
                                    "log line)", log_tail=self.log_tail())
+        # Static facts for the supervisor (what caps the server and by how much memory); best effort.
+        try:
+            self.facts = read_facts(info, log_text, effective=capacity)
+        except Exception as exc:  # data from the server: a surprise here must not stop the start
+            log.warning("gpu%d: could not read the server's start-up facts: %s", self.gpu, exc)
         return capacity
 
     async def stop(self, *, grace_s: float = 30.0) -> None:

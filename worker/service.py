@@ -67,7 +67,7 @@ class GPUService:
         self.dispatcher = Dispatcher(self.ledger, self._generate, config=config, worker=worker, queues=self.steal,
                                      server_ok=self._server_ok, clock=self.clock,
                                      on_completion=self.meter.note_completion)
-        self.spec = SpecFollower(config, client, self.k, worker=worker, gpu=gpu, events=self.events,
+        self.spec = SpecFollower(config, client, self.k, worker=worker, queue=queue, gpu=gpu, events=self.events,
                                  current=lambda: self.server.spec if self.server.running else None)
         self.publisher = StatusPublisher(client, self.k, snapshot=self.snapshot)
         self.reporter = StatusReporter(self.publisher, self.meter, interval_s=config.status_interval_s,
@@ -157,6 +157,7 @@ class GPUService:
             worker=self.worker, host=HOST, queue=self.queue, gpu=self.gpu, state=self.keeper.state,
             server_url=self.server.url, strategy=self.server.spec.strategy, server_flags=self.server.flags,
             generation=self.server.spec.generation, effective_max=self.server.capacity,
+            slots=self.dispatcher.slots.capacity, facts=self.server.facts,
             in_flight=self.dispatcher.in_flight, done=self.dispatcher.done, failed=self.dispatcher.failed,
             tokens_per_s=round(self.meter.tokens_per_s(), 1), metrics=self.reporter.metrics,
             message=self.keeper.message, ts=self.clock())

@@ -25,12 +25,13 @@ log = logging.getLogger("batchfleet.worker")
 
 
 class SpecFollower:
-    def __init__(self, config: Config, client: aioredis.Redis, keyspace: Keys, *, worker: str, gpu: int,
+    def __init__(self, config: Config, client: aioredis.Redis, keyspace: Keys, *, worker: str, queue: str, gpu: int,
                  events: EventLog, current: Callable[[], ServerSpec | None]) -> None:
         self.config = config
         self.r = client
         self.k = keyspace
         self.worker = worker
+        self.queue = queue
         self.gpu = gpu
         self.events = events
         self.current = current  # the spec the running server serves, None while none runs
@@ -39,12 +40,13 @@ class SpecFollower:
     async def desired(self) -> ServerSpec:
         """What the supervisor asks of this worker's server; the configuration when it asks nothing."""
         try:
-            mine, fleet = await self.r.hmget(self.k.control, Keys.control_worker(self.worker), Keys.CONTROL_FLEET)
+            mine, legacy, fleet = await self.r.hmget(self.k.control, Keys.control_queue(self.queue),
+                                                     Keys.control_worker(self.worker), Keys.CONTROL_FLEET)
         except (redis.RedisError, OSError) as exc:
             # Redis away: keep serving what runs now (or the configuration at first start).
             log.warning("cannot read the desired server spec (%s); keeping the current one", exc)
             return self._kept()
-        for field, raw in (("override", mine), ("fleet", fleet)):
+        for field, raw in (("override", mine), ("override", legacy), ("fleet", fleet)):
             if not raw:
                 continue
             try:

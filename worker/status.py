@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import httpx
 import redis
@@ -90,7 +92,7 @@ async def scrape_metrics(client: httpx.AsyncClient) -> ServerMetrics:
         return ServerMetrics()
     if resp.status_code != 200:
         return ServerMetrics()
-    return sglang.parse_metrics(resp.text)
+    return replace(sglang.parse_metrics(resp.text), ts=time.time())
 
 
 HOST = socket.gethostname()

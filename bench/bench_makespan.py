@@ -1,0 +1,119 @@
+"""Time to finish the whole job (issue 9 §6): the seed scenario's makespan three ways, same prompts,
+same simulated GPUs, one after the other on a fresh private Redis each:
+
+    (a) none      no supervisor: the fleet stays on the default strategy (37 slots per GPU)
+    (b) watch     `supervisor watch` from the default start: it must find the stall, canary, roll out
+    (c) oracle    workers started on the best spec (no_buffer, mem 0.90, max 128: 72 slots)
+
+Goal: (b) <= 1.15 x (c). Makespan is from the moment the workers are started (servers start included,
+as in a real run) until the last prompt has a result; every run is checked exactly-once.
+
+    python bench/bench_makespan.py [--gpus 8] [--prompts 6000] [--time-scale 1.5] [--only b,c]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_seed import SUPERVISOR_ARGS, SupervisorProc, exactly_once, seed_env, write_seed_prompts  # noqa: E402
+from tests.fleet import BIN, Fleet  # noqa: E402
+
+ORACLE = {"BATCHFLEET_STRATEGY": "no_buffer", "BATCHFLEET_MEM_FRACTION_STATIC": "0.9",
+          "BATCHFLEET_MAX_RUNNING_REQUESTS": "128"}
+MODES = {"a": "none", "b": "watch", "c": "oracle"}
+
+
+def run_mode(mode: str, tmp: Path, redis_url: str, *, gpus: int, prompts: int, time_scale: float,
+             tokens: tuple[int, int], window_s: float, rollout_batch: int, png: Path | None) -> dict[str, Any]:
+    env = {**seed_env(time_scale), **(ORACLE if mode == "c" else {})}
+    fleet = Fleet(tmp, redis_url, run=f"makespan-{mode}", gpus=gpus, env=env)
+    write_seed_prompts(tmp / "prompts.jsonl", prompts, min_tokens=tokens[0], max_tokens=tokens[1])
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", ",".join(f"gpu{g}" for g in range(gpus)))
+    sup = None
+    try:
+        t0, t0_wall = time.monotonic(), time.time()
+        for g in range(gpus):
+            fleet.start_worker(g)
+        if mode == "b":
+            sup = SupervisorProc(fleet, *SUPERVISOR_ARGS, "--window", str(window_s), "--verify-windows", "2",
+                                 "--rollout-batch", str(rollout_batch))
+        fleet.wait_for(lambda: fleet.finished() >= prompts, 3600, f"all {prompts} prompts")
+        makespan = time.monotonic() - t0
+        slots = sorted({s.effective_max for s in fleet.statuses()})
+        if sup is not None and png is not None:
+            done = subprocess.run([str(BIN / "supervisor"), "report", str(png), "--title",
+                                   f"makespan (b): {gpus} simulated GPUs, supervisor watch from the default start"],
+                                  env=fleet.env, capture_output=True, text=True, check=True)
+            print(done.stdout.strip())
+    finally:
+        if sup is not None:
+            sup.stop()
+        fleet.stop_all()
+    lost, duplicated = exactly_once(fleet, prompts)
+    out: dict[str, Any] = {"mode": MODES[mode], "makespan_s": makespan, "slots_at_end": slots, "lost": lost,
+                           "duplicated": duplicated}
+    if sup is not None:
+        decision = next((e for e in sup.events("decision") if "windows" in e.data), None)
+        canary = next(iter(sup.events("canary")), None)
+        rolled = next(iter(sup.events("rolled_out")), None)
+        out.update(
+            decided_after_s=None if decision is None else decision.ts - t0_wall,
+            canary=None if canary is None else canary.message,
+            rolled_out_after_s=None if rolled is None else rolled.ts - t0_wall,
+            restarts=len(sup.events("restarted")), log=sup.output())
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=6000)
+    parser.add_argument("--tokens", type=int, nargs=2, default=(400, 800), metavar=("MIN", "MAX"))
+    # 8 workers + 8 simulators on 2 cores: at 1.5 simulated seconds per wall second the workers keep
+    # 8 x 72 requests in flight (bench_seed's finding); faster and our side becomes the bottleneck.
+    parser.add_argument("--time-scale", type=float, default=1.5)
+    parser.add_argument("--window", type=float, default=4.0)
+    parser.add_argument("--rollout-batch", type=int, default=2)
+    parser.add_argument("--only", default="a,b,c", help="modes to run, e.g. b,c")
+    parser.add_argument("--png", type=Path, default=ROOT / "docs" / "makespan-supervised.png")
+    args = parser.parse_args()
+    from bench.redisproc import PrivateRedis
+
+    results = {}
+    for mode in args.only.split(","):
+        with PrivateRedis() as redis_, tempfile.TemporaryDirectory(prefix=f"bench-makespan-{mode}-") as tmp:
+            res = run_mode(mode, Path(tmp), redis_.url, gpus=args.gpus, prompts=args.prompts,
+                           time_scale=args.time_scale, tokens=tuple(args.tokens), window_s=args.window,
+                           rollout_batch=args.rollout_batch, png=args.png)
+        results[mode] = res
+        print(f"({mode}) {res['mode']}: makespan {res['makespan_s']:.1f} s, slots {res['slots_at_end']}, "
+              f"lost {res['lost']}, duplicated {res['duplicated']}", flush=True)
+        if "log" in res:
+            print(res.pop("log"))
+    print(f"\nmakespan, {args.gpus} simulated GPUs (seed-27b-96gb), {args.prompts} prompts of {args.tokens[0]}-"
+          f"{args.tokens[1]} tokens, time scale {args.time_scale:g}:")
+    oracle = results.get("c", {}).get("makespan_s")
+    for mode, res in results.items():
+        ratio = f"  {res['makespan_s'] / oracle:.3f} x (c)" if oracle else ""
+        print(f"  ({mode}) {res['mode']:<7} {res['makespan_s']:8.1f} s{ratio}")
+    if "b" in results:
+        b = results["b"]
+        print(f"  (b) decided after {b['decided_after_s']:.0f} s, rolled out after {b['rolled_out_after_s']:.0f} s, "
+              f"{b['restarts']} restarts; {b['canary']}")
+    ok = all(r["lost"] == 0 and r["duplicated"] == 0 for r in results.values())
+    if oracle and "b" in results:
+        ok = ok and results["b"]["makespan_s"] <= 1.15 * oracle
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,6 +27,7 @@ from batchfleet import keys, sglang
 from batchfleet.config import Config
 from batchfleet.errors import ConfigError, ServerDied, ServerStartError
 from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, Keys
+from batchfleet.marker import MarkerWatch
 from batchfleet.records import Event, Prompt, RecordError, ServerMetrics, ServerSpec, WorkerStatus
 
 from .dispatcher import Dispatcher
@@ -64,6 +65,7 @@ class GPUService:
         self._restarting: dict | None = None  # set between a spec-driven stop and the next start
         self._refused_spec: bytes | None = None  # the last spec refused from Redis (said once)
         self._generated: deque[tuple[float, float]] = deque()  # (monotonic s, generation_tokens_total)
+        self._marker = MarkerWatch(self.k, log)  # says so when Redis loses the run's data
 
     # --- entry point ----------------------------------------------------------------------------
     async def run(self, *, burst: bool = False) -> int:
@@ -274,6 +276,7 @@ class GPUService:
                     log.warning("recovered %d prompt(s) from a worker that stopped renewing its leases",
                                 len(recovered))
                 self._steal_order = await self._queue_order(pattern)
+                await self._marker.check(self.r, busy=bool(self.ledger.held) or self._finished() > 0)
             except (redis.RedisError, OSError) as exc:  # Redis hiccup: leases have slack for a missed beat
                 log.warning("lease upkeep failed: %s", exc)
             except Exception:

@@ -22,12 +22,14 @@ import sqlite3
 import sys
 import threading
 import time
+import traceback
 from typing import TextIO
 
 import redis
 
 from batchfleet.config import Config
 from batchfleet.connection import connect, redacted
+from batchfleet.errors import RecordError
 from batchfleet.keys import STORE_WAITING, Keys
 from batchfleet.marker import RunMarker, read_marker, repair_command
 
@@ -60,6 +62,7 @@ class Head:
         self.waiting_said = False
         self.next_audit = 0.0
         self.said_foreign = 0
+        self.said_errors: set[str] = set()
         self.stop = threading.Event()
 
     def say(self, text: str) -> None:
@@ -90,6 +93,11 @@ class Head:
                 except StoreError as exc:
                     self.say(f"refusing to run: {exc}")
                     return 2
+                except Exception as exc:  # a bug must not stop the host (under honcho an exit stops all)
+                    key = f"{type(exc).__name__}: {exc}"
+                    if key not in self.said_errors:
+                        self.said_errors.add(key)
+                        self.say(f"unexpected error, carrying on: {key}\n{traceback.format_exc()}")
                 self.stop.wait(self.interval_s)
         finally:
             for s, handler in old.items():
@@ -145,7 +153,13 @@ class Head:
 
     def _check_marker(self) -> None:
         assert self.store is not None
-        marker = read_marker(self.r, self.keys)
+        try:
+            marker = read_marker(self.r, self.keys)
+        except RecordError as exc:  # data from Redis: rewrite it from the store, never exit on it
+            self.say(f"WARNING: {exc}; rewriting the run marker from the store")
+            self.r.delete(self.keys.meta)
+            self.marker = ensure_marker(self.r, self.config, self.store)
+            return
         if marker is not None and marker.store_id != self.store.id:
             raise StoreError(f"the run marker in Redis now names store {marker.store_id} at {marker.where}, "
                              f"not this head's {self.store.path} ({self.store.id})")

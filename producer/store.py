@@ -28,7 +28,7 @@ import socket
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
@@ -64,6 +64,10 @@ INSERT OR IGNORE INTO tally (name, n) VALUES ('waiting', 0), ('fed', 0), ('done'
 """
 
 _INSERT = "INSERT OR IGNORE INTO prompts (cid, ep, body, file, line, cost) VALUES (?, ?, ?, ?, ?, ?)"
+
+
+def _wins(ok: int, finished_at: float, old_ok: int, old_finished_at: float) -> bool:
+    return ok > old_ok or (ok == old_ok and finished_at >= old_finished_at)
 
 
 class State(IntEnum):
@@ -250,27 +254,27 @@ class Store:
         """cid -> (seq, state) for those of `cids` that were enqueued."""
         return {c: (s, st) for c, s, st in self._among("SELECT cid, seq, state FROM prompts WHERE cid IN ({})", cids)}
 
-    def store_results(self, rows: Iterable[tuple[int, int, int, bytes, float]]) -> int:
-        """(seq, state, ok, line, finished_at), applied in order. Success wins: a failure never replaces
-        a success; otherwise the later result replaces the older. Returns how many prompts got their
-        first result."""
-        first = 0
+    def store_results(self, rows: Sequence[tuple[int, int, int, bytes, float]]) -> int:
+        """(seq, state, ok, line, finished_at). Success wins: a failure never replaces a success;
+        otherwise the later result replaces the older. Returns how many prompts got their first result."""
+        best: dict[int, tuple[int, int, bytes, float]] = {}  # seq -> (state, ok, line, finished_at)
         for seq, state, ok, line, finished_at in rows:
-            old = self.db.execute("SELECT ok, finished_at FROM results WHERE seq = ?", (seq,)).fetchone()
-            if old is None:
-                self.db.execute("INSERT INTO results (seq, ok, line, finished_at) VALUES (?, ?, ?, ?)",
-                                (seq, ok, line, finished_at))
-                self._tally("ok", ok)
-                if state != State.DONE:
-                    self.db.execute("UPDATE prompts SET state = 2 WHERE seq = ?", (seq,))
-                    self._tally(State(state).tally, -1)
-                    self._tally("done", 1)
-                first += 1
-            elif ok > old[0] or (ok == old[0] and finished_at >= old[1]):
-                self.db.execute("UPDATE results SET ok = ?, line = ?, finished_at = ? WHERE seq = ?",
-                                (ok, line, finished_at, seq))
-                self._tally("ok", ok - old[0])
-        return first
+            have = best.get(seq)
+            if have is None or _wins(ok, finished_at, have[1], have[3]):
+                best[seq] = (state, ok, line, finished_at)
+        if not best:
+            return 0
+        old = {seq: (ok, at) for seq, ok, at in
+               self._among("SELECT seq, ok, finished_at FROM results WHERE seq IN ({})", list(best))}
+        new = [(seq, ok, line, at) for seq, (_, ok, line, at) in best.items() if seq not in old]
+        better = [(ok, line, at, seq) for seq, (_, ok, line, at) in best.items()
+                  if seq in old and _wins(ok, at, *old[seq])]
+        self.db.executemany("INSERT INTO results (seq, ok, line, finished_at) VALUES (?, ?, ?, ?)", new)
+        self.db.executemany("UPDATE results SET ok = ?, line = ?, finished_at = ? WHERE seq = ?", better)
+        self._tally("ok", sum(ok for _, ok, _, _ in new) + sum(ok - old[seq][0] for ok, _, _, seq in better))
+        for state in (State.WAITING, State.FED):
+            self.set_state([seq for seq, *_ in new if best[seq][0] == state], state, State.DONE)
+        return len(new)
 
     def add_rejected(self, n: int) -> None:
         if n:

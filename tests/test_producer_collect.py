@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -13,8 +14,10 @@ import orjson
 import pytest
 import redis
 
+from batchfleet.config import Config
 from batchfleet.keys import FAILURE_TTL_S, Keys
 from batchfleet.records import Result, WorkerStatus, job_id_for
+from producer.head import Head
 from producer.store import Store
 
 from .conftest import RedisServer
@@ -245,3 +248,24 @@ def test_head_stops_on_sigterm(redis_url: str, r: redis.Redis, cli: Cli, tmp_pat
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_head_waits_for_enqueue_creates_nothing_and_rewrites_a_malformed_marker(
+        cli: Cli, r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    config = Config(run=RUN, redis_url=redis_url, state_dir=tmp_path / "state")
+    log = io.StringIO()
+    head = Head(config, explicit=True, interval_s=0.05, log=log, r=r)
+    assert head.run(until=time.monotonic() + 0.5) == 0
+    assert log.getvalue().count("waiting for `producer enqueue`") == 1 and not (tmp_path / "state").exists()
+    enqueue(cli, tmp_path, 3)
+    log = io.StringIO()
+    head = Head(config, explicit=True, interval_s=0.05, log=log, r=r)
+    head.step()  # opens the run's store
+    r.hset(Keys(RUN).meta, "path", "relative/not/allowed")  # a bad record in Redis: never a reason to exit
+    work(redis_url, ["gpu0"], 2)
+    head.step()
+    head.step()
+    assert "run marker: unexpected values" in log.getvalue() and "rewriting the run marker" in log.getvalue()
+    assert r.hget(Keys(RUN).meta, "path").decode() == str(tmp_path / "state" / f"{RUN}.sqlite")
+    assert "+2 ok" in log.getvalue()
+    assert head.run(until=time.monotonic() + 0.3) == 0

@@ -153,6 +153,9 @@ def _run(args: argparse.Namespace, config: Config) -> int:
                   + (f"; dropped {got.rejected:,} result(s) that answer no prompt of this run" if got.rejected else ""))
             return 0
         if args.cmd == "recover":
+            with loc.store.write():
+                if loc.store.fix_tally():
+                    print("recover: the store's counts had drifted from its rows; recounted", file=sys.stderr)
             s = recover(r, loc.store, keys)
             marker = ensure_marker(r, config, loc.store)
             fed = feed_pass(config, r, loc.store, marker.queues)

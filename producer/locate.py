@@ -58,7 +58,9 @@ def locate(config: Config, r: redis.Redis | None, *, explicit: bool, mode: Mode)
     if r is not None:
         try:
             marker = read_marker(r, keys)
-        except (redis.RedisError, OSError) as exc:
+        except redis.AuthenticationError:
+            raise  # not down: wrong credentials are the caller's error to report
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             redis_error = f"{type(exc).__name__}: {exc}"
         except RecordError as exc:
             raise StoreError(f"{exc}: check it (redis-cli HGETALL {keys.meta}); it names the run's store") from None

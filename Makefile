@@ -26,6 +26,7 @@ lint: install
 bench: install
 	$(BIN)/python bench/bench_enqueue.py
 	$(BIN)/python bench/bench_dispatch.py
+	$(BIN)/python bench/bench_window.py --n 200000
 
 clean:
 	rm -rf var/ .batchfleet/ .pytest_cache/ .ruff_cache/

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from .errors import ConfigError
+from .keys import valid_queue_name
 from .records import STRATEGIES
 
-__all__ = ["STRATEGIES", "Config", "gpu_index_for_queue"]
+__all__ = ["DEFAULT_QUEUE", "STRATEGIES", "Config", "gpu_index_for_queue"]
 
 ENV_PREFIX = "BATCHFLEET_"
+DEFAULT_QUEUE = "gpu0"  # where prompts go when no queue is given and no worker has reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +33,9 @@ class Config:
     redis_url: str = "redis://127.0.0.1:6379/0"
     run: str = "default"
     state_dir: Path = Path(".batchfleet")  # results database and logs on the producer/worker host
-    queues: tuple[str, ...] = ("gpu0",)  # where `producer enqueue` spreads prompts by default
+    # Queues the head feeds besides those live workers serve (recorded for the run at enqueue). Empty:
+    # the live fleet's queues, or DEFAULT_QUEUE when no worker has reported yet.
+    queues: tuple[str, ...] = ()
     queue_pattern: str = r"gpu\d+"  # which RQ queues a worker may take work from when its own is dry
 
     # The SGLang server a worker owns.
@@ -63,13 +67,22 @@ class Config:
     # many seconds, to show that no lease or timeout decision trusts a host's clock (they use Redis TIME).
     test_clock_offset_s: float = 0.0
 
+    # The window the head keeps in Redis, per queue: max(2 x the workers' effective capacity, window_s of
+    # the queue's measured throughput), at most window_max; window_default before any worker reports.
+    window_s: float = 60.0
+    window_default: int = 1000
+    window_max: int = 20_000
+
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.run):
             raise ConfigError(f"run name {self.run!r} may only hold letters, digits, '_', '.' and '-'")
-        if not self.queues:
-            raise ConfigError("at least one queue is needed")
+        bad = [q for q in self.queues if not valid_queue_name(q)]
+        if bad:
+            raise ConfigError(f"queue names may only hold letters, digits, '_', '.' and '-': {', '.join(bad)}")
+        if self.window_s <= 0 or self.window_default < 1 or self.window_max < 1:
+            raise ConfigError("window_s, window_default and window_max must be positive")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ConfigError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         for name in ("lease_ttl_s", "status_interval_s", "health_interval_s", "request_timeout_s", "startup_timeout_s"):

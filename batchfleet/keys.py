@@ -10,13 +10,15 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | rq:job:<id> | hash | producer/worker | the RQ job; deleted when it succeeds (result_ttl=0) |
 | rq:wip:<q> | zset | worker | RQ's started registry (`rq info` "executing") |
 | rq:failed:<q> | zset | worker | RQ's failed registry (`rq requeue` works on it) |
+| rq:results:<id> | stream | RQ | a stock RQ worker's record of a job it ran (deleted by `producer recover`) |
 | bf:<run>:leases | zset | worker | "<job id>:<execution id>" -> expiry, Redis's clock (TIME); lapses if not renewed |
 | bf:<run>:strikes | hash | worker | job id -> server deaths it was in (STRIKES_TTL_S; field gone when it finishes) |
 | bf:<run>:suspects | list | worker | queued job ids with 1 strike: a worker runs at most one beside its normal work |
 | bf:<run>:isolate | list | worker | queued job ids with 2 strikes: a worker reserves one, drains, and runs it alone |
 | bf:<run>:done | set | worker/collector | job ids whose result is in the stream but not yet collected |
 | bf:<run>:results | stream | worker | result records on their way to the collector (bounded by it) |
-| bf:<run>:stats | hash | all | counters: enqueued, succeeded, failed, handed_back, recovered, refused, ... |
+| bf:<run>:meta | hash | producer | the run marker: the run's store (host, path, id), created, queues (*) |
+| bf:<run>:stats | hash | all | counters: enqueued, succeeded, failed, handed_back, recovered, refused, ...; `store_waiting` (**) |
 | bf:<run>:workers | set | worker | names of workers that published a status record |
 | bf:<run>:status:<worker> | string | worker | the worker's latest status record (expires) |
 | bf:<run>:events | stream | supervisor/worker | `Event`s (field `e`): decisions and restarts (capped) |
@@ -32,19 +34,36 @@ registry, no result), `server_deaths`, `struck` (strikes given), `quarantined`.
 
 A job waiting to run is in one of three lists: its queue `rq:queue:<q>`, or `bf:<run>:suspects` /
 `bf:<run>:isolate` once a server died with it inside (status `queued` in each case).
+
+(*) No TTL: the marker lives as long as the run. Its absence while the store has fed prompts means
+Redis lost the run's data (see `batchfleet.marker`).
+(**) A gauge, not a counter: prompts in the store the head has not fed to Redis yet (set by the head).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["RQ_JOB_PREFIX", "RQ_QUEUES", "RQ_QUEUE_PREFIX", "Keys"]
+__all__ = ["QUEUE_NAME_RE", "RQ_JOB_PREFIX", "RQ_QUEUES", "RQ_QUEUE_PREFIX", "Keys", "valid_queue_name"]
 
 RQ_QUEUE_PREFIX = "rq:queue:"
 RQ_JOB_PREFIX = "rq:job:"
 RQ_QUEUES = "rq:queues"
 RQ_STARTED_PREFIX = "rq:wip:"
 RQ_FAILED_PREFIX = "rq:failed:"
+RQ_RESULTS_PREFIX = "rq:results:"
+
+# What a queue name may hold (it becomes part of RQ's key names and of log lines).
+QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+
+def valid_queue_name(name: object) -> bool:
+    return isinstance(name, str) and QUEUE_NAME_RE.fullmatch(name) is not None
+
+
+# A field of `stats` that is a gauge, not a counter: prompts in the store the head has not fed yet.
+STORE_WAITING = "store_waiting"
 
 # TTLs and caps, in seconds or entries.
 FAILURE_TTL_S = 7 * 24 * 3600  # failed jobs stay requeueable for a week (RQ's default is a year)
@@ -84,6 +103,10 @@ class Keys:
         key = queue_key.decode() if isinstance(queue_key, bytes) else queue_key
         return key[len(RQ_QUEUE_PREFIX):] if key.startswith(RQ_QUEUE_PREFIX) else key
 
+    @staticmethod
+    def rq_results(job_id: str) -> str:
+        return RQ_RESULTS_PREFIX + job_id
+
     # --- batchfleet's own ----------------------------------------------------------------------
     @property
     def prefix(self) -> str:
@@ -100,6 +123,11 @@ class Keys:
     @property
     def results(self) -> str:
         return self.prefix + "results"
+
+    @property
+    def meta(self) -> str:
+        """The run marker (see `producer.marker`)."""
+        return self.prefix + "meta"
 
     @property
     def stats(self) -> str:

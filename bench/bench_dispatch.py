@@ -30,8 +30,8 @@ from batchfleet.config import Config
 from batchfleet.keys import Keys
 from bench.instant import instant_backend
 from bench.redisproc import PrivateRedis
+from producer.api import enqueue
 from producer.collect import collect_once
-from producer.enqueue import enqueue_file
 from producer.export import export
 from producer.store import Store
 from worker.dispatcher import Dispatcher
@@ -61,11 +61,10 @@ def baseline_simpleworker(url: str, n: int) -> float:
 
 
 def enqueue_ours(url: str, n: int, workdir: Path, run: str) -> tuple[Config, Store]:
-    config = Config(run=run, redis_url=url, state_dir=workdir / run, queues=("gpu0",))
-    store = Store(config.results_db)
-    enqueue_file(config, redis.Redis.from_url(url), store, str(prompts_file(workdir / f"{run}.jsonl", n)),
-                 queues=("gpu0",), defaults={}, model="default", progress=False)
-    return config, store
+    # a window as large as the run: every prompt in Redis before the clock starts
+    config = Config(run=run, redis_url=url, state_dir=workdir / run, queues=("gpu0",), window_default=n)
+    done = enqueue(config, redis.Redis.from_url(url), prompts_file(workdir / f"{run}.jsonl", n), queues=("gpu0",))
+    return config, done.store
 
 
 async def run_dispatcher(url: str, config: Config, capacity: int) -> tuple[float, int]:

@@ -1,27 +1,29 @@
-"""Enqueue throughput and Redis memory: `producer enqueue` vs RQ's `Queue.enqueue_many`.
+"""Enqueue into the store, the memory it costs, and what a queued prompt costs in Redis — each beside
+RQ's `Queue.enqueue_many` measured in the same run.
 
-    .venv/bin/python bench/bench_enqueue.py [--n 50000] [--words 60] [--queues 4]
+    .venv/bin/python bench/bench_enqueue.py [--n 1000000] [--baseline-n 200000] [--layout-n 50000]
 
-Starts its own redis-server (free port, no persistence), writes N generated prompts to a JSONL file,
-then, in this one process:
-- ours: `producer.enqueue.enqueue_file` end to end (read + validate every line, SQLite store,
-  one Lua call per 1,000 jobs);
-- RQ: the same file read and decoded line by line, `Queue.prepare_data` + `Queue.enqueue_many`
-  (one pipeline per 1,000 jobs), same job ids, same payload, same serializer (orjson);
-and prints jobs/s for each (and for RQ's enqueue_many calls alone), the ratios, and Redis bytes
-per queued prompt beyond its text (INFO used_memory delta / N - mean prompt-text bytes).
-RQ zlib-compresses job data, so on compressible text its figure can come out smaller.
+1. store: N short generated prompts, `producer enqueue FILE` as a subprocess against a private
+   redis-server, with `producer head` running beside it (it feeds each queue's window as the store
+   fills). Reports prompts/s into the store (the command's own figure), peak RSS of the enqueue and
+   head processes (VmHWM), Redis peak used_memory, and the store's size on disk.
+   Baseline: RQ's enqueue_many puts every prompt in Redis; it runs on the first `baseline-n` prompts
+   of the same file (10M would need ~20 GB of Redis), and its Redis bytes per prompt give the
+   projection for N.
+2. layout: `layout-n` prompts of `words` random words each, all queued (a window as big as the run),
+   Redis bytes per queued prompt beyond its text: our job layout vs enqueue_many's. Best of `repeat`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -29,45 +31,35 @@ import orjson
 import redis
 from rq import Queue
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from batchfleet.config import Config
 from batchfleet.jobs import GENERATE
 from batchfleet.keys import FAILURE_TTL_S
 from batchfleet.records import Prompt, job_id_for
 from batchfleet.serializer import OrjsonSerializer
-from producer.enqueue import enqueue_file
-from producer.store import Store
+from bench.redisproc import PrivateRedis
+from producer.api import enqueue
+
+BIN = Path(sys.executable).parent
+MIB = 2**20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def short_prompts(path: Path, n: int) -> None:
+    """`n` short generated prompts (~90 B a line), mixed max_tokens."""
+    with path.open("wb", buffering=1 << 20) as fh:
+        for start in range(0, n, 100_000):
+            fh.write(b"".join(
+                b'{"id":"p%08d","prompt":"Write a short note about item number %d.","max_tokens":%d}\n'
+                % (i, i, 64 << (i % 3)) for i in range(start, min(n, start + 100_000))))
 
 
-def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
-         "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            return proc, f"redis://127.0.0.1:{port}/0"
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise SystemExit("redis-server did not start")
-
-
-def write_prompts(path: Path, n: int, words: int) -> float:
-    """N simple-form prompts of `words` random pseudo-words; returns the mean text bytes."""
+def worded_prompts(path: Path, n: int, words: int) -> float:
+    """`n` prompts of `words` random pseudo-words; returns the mean text bytes."""
     rng = random.Random(7)
-    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-             for _ in range(5000)]
+    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(5000)]
     total = 0
-    with open(path, "wb") as fh:
+    with path.open("wb") as fh:
         for i in range(n):
             text = " ".join(rng.choices(vocab, k=words))
             total += len(text.encode())
@@ -79,98 +71,159 @@ def used(r: redis.Redis) -> int:
     return int(r.info("memory")["used_memory"])
 
 
-def bench_ours(config: Config, r: redis.Redis, path: Path, queues: tuple[str, ...]) -> float:
-    store = Store(config.results_db)
-    t0 = time.perf_counter()
-    s = enqueue_file(config, r, store, str(path), queues=queues, defaults={}, model="default", progress=False)
-    dt = time.perf_counter() - t0
-    store.close()
-    assert s.new == s.lines and not s.rejected, s
-    return dt
+class PeakRss:
+    """Samples /proc/<pid>/status VmHWM (the kernel's own peak RSS) until the process ends."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.kib, self.done = pid, 0, threading.Event()
+        threading.Thread(target=self._poll, daemon=True).start()
+
+    def _poll(self) -> None:
+        while not self.done.is_set():
+            try:
+                for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        self.kib = max(self.kib, int(line.split()[1]))
+            except (FileNotFoundError, ProcessLookupError):
+                return
+            time.sleep(0.1)
+
+    @property
+    def mib(self) -> float:
+        return self.kib / 1024
 
 
-RQ_CALLS_S = [0.0]  # time inside enqueue_many alone, without reading the file or building job data
-
-
-def _enqueue_many(q: Queue, batch: list) -> None:
-    t = time.perf_counter()
-    q.enqueue_many(batch)
-    RQ_CALLS_S[0] += time.perf_counter() - t
-
-
-def bench_rq(config: Config, r: redis.Redis, path: Path, queues: tuple[str, ...]) -> float:
+def rq_enqueue_many(r: redis.Redis, path: Path, limit: int, queues: tuple[str, ...], run: str) -> float:
+    """RQ's own way: read and decode the same file, prepare_data + enqueue_many per 1,000. Seconds."""
     qs = [Queue(q, connection=r, serializer=OrjsonSerializer) for q in queues]
     t0 = time.perf_counter()
     batch, b = [], 0
-    with open(path, "rb") as fh:
-        for seq, raw in enumerate(fh):
+    with path.open("rb") as fh:
+        for seq, raw in enumerate(fh, 1):
+            if seq > limit:
+                break
             d = orjson.loads(raw)
             cid = d["id"]
-            prompt = Prompt(cid, seq, "/v1/completions",
-                            {"prompt": d["prompt"], "max_tokens": d["max_tokens"], "model": "default"},
-                            f"{path.name}:{seq + 1}")
+            prompt = Prompt(cid, seq, "/v1/completions", {"prompt": d["prompt"], "max_tokens": d["max_tokens"],
+                                                          "model": "default"}, run=run)
             batch.append(Queue.prepare_data(
-                GENERATE, args=(prompt.to_dict(),), job_id=job_id_for(config.run, cid),
-                description=f"generate({cid})", result_ttl=0, failure_ttl=FAILURE_TTL_S,
-                timeout=int(config.request_timeout_s)))
+                GENERATE, args=(prompt.to_dict(),), job_id=job_id_for(run, cid), description=f"generate({cid})",
+                result_ttl=0, failure_ttl=FAILURE_TTL_S, timeout=3600))
             if len(batch) == 1000:
-                _enqueue_many(qs[b % len(qs)], batch)
+                qs[b % len(qs)].enqueue_many(batch)
                 batch, b = [], b + 1
     if batch:
-        _enqueue_many(qs[b % len(qs)], batch)
+        qs[b % len(qs)].enqueue_many(batch)
     return time.perf_counter() - t0
+
+
+def bench_store(a: argparse.Namespace, work: Path) -> None:
+    queues = ",".join(f"gpu{i}" for i in range(a.queues))
+    path = work / "short.jsonl"
+    t0 = time.perf_counter()
+    short_prompts(path, a.n)
+    print(f"[{a.n:,} short prompts written in {time.perf_counter() - t0:.0f} s, {path.stat().st_size / MIB:,.0f} MiB]",
+          file=sys.stderr)
+    with PrivateRedis() as redis_proc:
+        r = redis.Redis.from_url(redis_proc.url)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHFLEET_")}
+        env.update(REDIS_URL=redis_proc.url, BATCHFLEET_RUN="bench", BATCHFLEET_STATE_DIR=str(work / "state"))
+        head = subprocess.Popen([str(BIN / "producer"), "head", "--interval", "1"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=(work / "head.log").open("wb"))
+        head_rss = PeakRss(head.pid)
+        samples: list[int] = []
+        sampling = threading.Event()
+
+        def sample() -> None:
+            while not sampling.is_set():
+                samples.append(used(r))
+                time.sleep(0.25)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        enq = subprocess.Popen([str(BIN / "producer"), "enqueue", str(path), "--queues", queues, "--no-progress"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        enq_rss = PeakRss(enq.pid)
+        out, err = enq.communicate()
+        assert enq.returncode == 0, err
+        time.sleep(3)  # the head's next passes
+        sampling.set()
+        sampler.join()
+        head.terminate()
+        head.wait(30)
+        line = out.splitlines()[0]
+        rate = float(line.split("(")[1].split("/s")[0].replace(",", ""))
+        peak = int(r.info("memory")["used_memory_peak"])
+        queued = sum(r.llen(f"rq:queue:{q}") for q in queues.split(","))
+        store_b = sum(f.stat().st_size for f in (work / "state").glob("bench.sqlite*"))
+
+        r.flushall()
+        base_n = min(a.baseline_n, a.n)
+        before = used(r)
+        dt = rq_enqueue_many(r, path, base_n, tuple(queues.split(",")), "base")
+        per = (used(r) - before) / base_n
+    print(f"enqueue {a.n:,} short prompts ({path.stat().st_size / a.n:.0f} B a line) onto {a.queues} queues, "
+          f"`producer head` running")
+    print(f"  into the store           : {rate:>10,.0f} prompts/s   (goal >= 50,000)")
+    print(f"  rq enqueue_many          : {base_n / dt:>10,.0f} prompts/s   (first {base_n:,}, every prompt into Redis)")
+    print(f"  ratio                    : {rate / (base_n / dt):>10.1f}x")
+    print(f"  Redis peak used_memory   : {peak / MIB:>10,.1f} MiB   (goal < 256; {queued:,} prompts queued = the "
+          f"window; max sampled {max(samples) / MIB:,.1f} MiB)")
+    print(f"  rq enqueue_many, Redis   : {per * a.n / MIB:>10,.0f} MiB   ({per:,.0f} B a prompt x {a.n:,}, projected)")
+    print(f"  enqueue process peak RSS : {enq_rss.mib:>10,.0f} MiB   (goal < 500)")
+    print(f"  head process peak RSS    : {head_rss.mib:>10,.0f} MiB   (goal < 500)")
+    print(f"  store on disk            : {store_b / MIB:>10,.0f} MiB   ({store_b / a.n:,.0f} B a prompt)")
+    sys.stdout.flush()
+
+
+def bench_layout(a: argparse.Namespace, work: Path) -> None:
+    queues = tuple(f"gpu{i}" for i in range(a.queues))
+    path = work / "worded.jsonl"
+    text_b = worded_prompts(path, a.layout_n, a.words)
+    best: dict[str, float] = {}
+    with PrivateRedis() as redis_proc:
+        r = redis.Redis.from_url(redis_proc.url)
+        for _ in range(a.repeat):
+            for name in ("rq enqueue_many", "batchfleet job", "batchfleet, listpack"):
+                r.config_set("hash-max-listpack-value", 1024 if name.endswith("listpack") else 64)
+                r.flushall()
+                shutil.rmtree(work / "layout", ignore_errors=True)
+                before = used(r)
+                if name == "rq enqueue_many":
+                    rq_enqueue_many(r, path, a.layout_n, queues, "layout")
+                else:
+                    config = Config(run="layout", redis_url=redis_proc.url, state_dir=work / "layout",
+                                    window_default=a.layout_n, window_max=a.layout_n)
+                    done = enqueue(config, r, path, queues=queues)
+                    done.store.close()
+                    assert done.fed.total == a.layout_n, done.fed
+                assert sum(r.llen(f"rq:queue:{q}") for q in queues) == a.layout_n
+                per = (used(r) - before) / a.layout_n - text_b
+                best[name] = min(best.get(name, per), per)
+    print(f"Redis bytes per queued prompt beyond its text ({a.layout_n:,} prompts of {a.words} words, mean text "
+          f"{text_b:.0f} B, Redis default config, best of {a.repeat})")
+    print(f"  rq enqueue_many          : {best['rq enqueue_many']:>+7,.0f} B   (9 hash fields, zlib data)")
+    print(f"  batchfleet job           : {best['batchfleet job']:>+7,.0f} B   (data, origin, status; goal <= 600)")
+    print(f"  ratio                    : {best['batchfleet job'] / best['rq enqueue_many']:>7.2f}x")
+    print(f"  (batchfleet job with the Redis server's hash-max-listpack-value 1024: "
+          f"{best['batchfleet, listpack']:+,.0f} B: a job hash then stays a compact listpack)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=50_000)
-    ap.add_argument("--words", type=int, default=60, help="words per prompt")
+    ap.add_argument("--n", type=int, default=1_000_000, help="short prompts enqueued into the store")
+    ap.add_argument("--baseline-n", type=int, default=200_000, help="of them through rq enqueue_many")
+    ap.add_argument("--layout-n", type=int, default=50_000)
+    ap.add_argument("--words", type=int, default=60, help="words per prompt in the layout measure")
     ap.add_argument("--queues", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=3, help="runs of each; the fastest counts (shared CPUs are noisy)")
-    ap.add_argument("--listpack-value", type=int, default=0,
-                    help="set Redis hash-max-listpack-value (bytes) first: job hashes stay compact listpacks")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=("store", "layout"))
     a = ap.parse_args()
-    queues = tuple(f"gpu{i}" for i in range(a.queues))
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        proc, url = start_redis(work)
-        try:
-            r = redis.Redis.from_url(url)
-            path = work / "prompts.jsonl"
-            text_b = write_prompts(path, a.n, a.words)
-            config = Config.from_env({}, redis_url=url, run="bench", state_dir=work / "state", queues=queues)
-            if a.listpack_value:
-                r.config_set("hash-max-listpack-value", a.listpack_value)
-            out: dict[str, tuple[float, float]] = {}
-            rq_alone = 0.0
-            for i in range(a.repeat):
-                this: list[str] = []
-                for name, fn in (("rq enqueue_many", bench_rq), ("producer enqueue", bench_ours)):
-                    r.flushall()
-                    shutil.rmtree(config.state_dir, ignore_errors=True)
-                    RQ_CALLS_S[0] = 0.0
-                    before = used(r)
-                    dt = fn(config, r, path, queues)
-                    per = (used(r) - before) / a.n
-                    assert sum(r.llen(f"rq:queue:{q}") for q in queues) == a.n
-                    this.append(f"{name} {a.n / dt:,.0f}/s")
-                    if name not in out or a.n / dt > out[name][0]:
-                        out[name] = (a.n / dt, per)
-                    if RQ_CALLS_S[0]:
-                        rq_alone = max(rq_alone, a.n / RQ_CALLS_S[0])
-                print(f"run {i + 1}: " + ", ".join(this), file=sys.stderr)
-        finally:
-            proc.terminate()
-            proc.wait(10)
-    lp = f", hash-max-listpack-value {a.listpack_value}" if a.listpack_value else ""
-    print(f"{a.n:,} prompts, mean prompt text {text_b:.0f} B, {len(queues)} queues, best of {a.repeat}{lp}")
-    for name, (rate, per) in out.items():
-        print(f"  {name:17s} {rate:>9,.0f} jobs/s   {per:7.0f} B/prompt in Redis, {per - text_b:+6.0f} B beyond text")
-    ours, rq_only = out["producer enqueue"][0], rq_alone
-    print(f"  (rq enqueue_many calls alone, job data prepared beforehand: {rq_only:,.0f} jobs/s)")
-    print(f"  ratio ours / enqueue_many, same file to Redis: {ours / out['rq enqueue_many'][0]:.2f}x; "
-          f"ours end to end / enqueue_many calls alone: {ours / rq_only:.2f}x")
-    sys.stdout.flush()
+    with tempfile.TemporaryDirectory(prefix="bench-enqueue-") as tmp:
+        if a.only != "layout":
+            bench_store(a, Path(tmp))
+        if a.only != "store":
+            bench_layout(a, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
-"""`producer`: enqueue a JSONL file of prompts, collect results, show status, export.
+"""`producer`: enqueue a JSONL file of prompts into the run's store, feed and collect (the head process),
+show status, export, recover.
 
-Exit status: 0 done; 1 something needs attention (rejected lines, prompts still pending);
-2 usage, configuration or Redis errors (one line on stderr, no traceback).
-Settings come from `BATCHFLEET_*` (see batchfleet.config); `--run`, `--redis-url`, `--state-dir`
-override them.
+Exit status: 0 done; 1 something needs attention (rejected lines, prompts still pending); 2 usage,
+configuration, store or Redis errors (one line on stderr, no traceback). Settings come from
+`BATCHFLEET_*` (see batchfleet.config); `--run`, `--redis-url`, `--state-dir` override them. Without
+`--state-dir`, commands use the store the run's marker in Redis names (see producer.locate).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import os
 import sqlite3
 import sys
 from pathlib import Path
@@ -20,14 +21,19 @@ import redis
 from batchfleet.config import Config
 from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
-from batchfleet.keys import Keys
+from batchfleet.keys import Keys, valid_queue_name
+from batchfleet.marker import repair_command
 
-from .collect import collect_once, follow
-from .enqueue import enqueue_file
+from . import api
+from .collect import collect_once
 from .export import export
+from .feed import feed_pass
+from .head import Head
+from .locate import Located, Mode, ensure_marker, locate
 from .parse import Reject, check_sampling, parse_param
+from .recover import recover
 from .status import format_status, gather_status
-from .store import Store
+from .store import StoreError
 
 __all__ = ["main"]
 
@@ -40,12 +46,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="producer", description=__doc__.split("\n")[0])
     p.add_argument("--run", help="run name (BATCHFLEET_RUN)")
     p.add_argument("--redis-url", help="Redis URL (BATCHFLEET_REDIS_URL / REDIS_URL)")
-    p.add_argument("--state-dir", type=Path, help="where the results store lives (BATCHFLEET_STATE_DIR)")
+    p.add_argument("--state-dir", type=Path,
+                   help="directory of the run's store (BATCHFLEET_STATE_DIR; default: the one the run marker "
+                        "in Redis names, else .batchfleet)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    e = sub.add_parser("enqueue", help="validate a JSONL file and enqueue one job per prompt")
+    e = sub.add_parser("enqueue", help="validate a JSONL file into the run's store and feed a first window to Redis")
     e.add_argument("file", help="JSONL input ('-' for stdin)")
-    e.add_argument("--queues", help="comma-separated queues to spread over (default: BATCHFLEET_QUEUES)")
+    e.add_argument("--queues", help="comma-separated queues to feed besides those live workers serve, recorded "
+                                    "for the run (default: BATCHFLEET_QUEUES)")
     e.add_argument("--max-tokens", type=int)
     e.add_argument("--temperature", type=float)
     e.add_argument("--top-p", type=float)
@@ -55,17 +64,24 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--rejects", type=Path, help="rejected lines go here (default: FILE.rejects.jsonl)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
 
-    c = sub.add_parser("collect", help="move finished results from Redis into the results store")
-    c.add_argument("--follow", action="store_true", help="keep collecting until SIGINT/SIGTERM")
-    c.add_argument("--interval", type=float, default=2.0, metavar="S")
+    for name, text in (("head", "the head process: keep each queue's window topped up from the store, collect "
+                                "results, repair a Redis that lost the run's data (until SIGINT/SIGTERM)"),
+                       ("collect", "move finished results from Redis into the store (--follow: run the head)")):
+        c = sub.add_parser(name, help=text)
+        if name == "collect":
+            c.add_argument("--follow", action="store_true", help="keep going: the head process (`producer head`)")
+        c.add_argument("--interval", type=float, default=2.0, metavar="S")
 
-    s = sub.add_parser("status", help="queues, fleet tokens/s and ETA (collects first)")
-    s.add_argument("--json", action="store_true", help="one JSON object (keys: see producer.status)")
+    s = sub.add_parser("status", help="where every prompt is (read-only; works from the store when Redis is down)")
+    s.add_argument("--json", action="store_true", help="one JSON object (keys: docs/store.md, 'Status')")
 
     x = sub.add_parser("export", help="write the OpenAI batch output file in input order")
     x.add_argument("out", type=Path)
     x.add_argument("--wait", action="store_true", help="wait until no prompt is pending")
     x.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
+
+    sub.add_parser("recover", help="requeue, from the store, the fed prompts that are nowhere in Redis or were "
+                                   "failed by a non-batchfleet worker; restore the run marker")
     return p
 
 
@@ -88,50 +104,106 @@ def _queues(text: str | None, config: Config) -> tuple[str, ...]:
     if text is None:
         return config.queues
     queues = tuple(q.strip() for q in text.split(",") if q.strip())
-    bad = [q for q in queues if not re.fullmatch(r"[A-Za-z0-9_.-]+", q)]
+    bad = [q for q in queues if not valid_queue_name(q)]
     if not queues or bad:
         raise UsageError(f"--queues wants names like gpu0,gpu1, got {text!r}")
     return tuple(dict.fromkeys(queues))
 
 
+def _state_dir_given(args: argparse.Namespace) -> bool:
+    return args.state_dir is not None or bool(os.environ.get("BATCHFLEET_STATE_DIR"))
+
+
+def _say_lost(config: Config, loc: Located) -> None:
+    print(f"producer: Redis lost the data of run {config.run} (its marker {Keys(config.run).meta} is gone while the "
+          f"store has fed prompts: restarted without persistence, or a failover). Repair: "
+          f"{repair_command(config.run, str(loc.store.path.parent))} (a running `producer head` does it by itself)",
+          file=sys.stderr)
+
+
 def _run(args: argparse.Namespace, config: Config) -> int:
+    explicit = _state_dir_given(args)
     r = connect(config.redis_url)
+    if args.cmd == "status":
+        loc = locate(config, r, explicit=explicit, mode=Mode.READ)
+        try:
+            print(format_status(gather_status(config, r, loc), as_json=args.json))
+        finally:
+            loc.store.close()
+        return 0
+    if args.cmd == "head" or (args.cmd == "collect" and args.follow):
+        return Head(config, explicit=explicit, interval_s=args.interval, r=r).run()
+    if args.cmd == "export":
+        loc = locate(config, r, explicit=explicit, mode=Mode.WRITE)
+        try:
+            return _export(args, config, r, loc)
+        finally:
+            loc.store.close()
     r.ping()
-    store = Store(config.results_db)
+    if args.cmd == "enqueue":
+        return _enqueue(args, config, r, explicit)
+    loc = locate(config, r, explicit=explicit, mode=Mode.WRITE)
     keys = Keys(config.run)
     try:
-        if args.cmd == "enqueue":
-            return _enqueue(args, config, r, store)
         if args.cmd == "collect":
-            got = follow(r, store, keys, interval_s=args.interval) if args.follow else collect_once(r, store, keys)
-            print(f"collected {got.succeeded:,} succeeded, {got.failed:,} failed into {config.results_db}")
+            if loc.lost:
+                _say_lost(config, loc)
+            got = collect_once(r, loc.store, keys)
+            print(f"collected {got.succeeded:,} succeeded, {got.failed:,} failed into {loc.store.path}"
+                  + (f"; dropped {got.rejected:,} result(s) that answer no prompt of this run" if got.rejected else ""))
             return 0
-        if args.cmd == "status":
-            print(format_status(gather_status(config, r, store), as_json=args.json))
+        if args.cmd == "recover":
+            with loc.store.write():
+                if loc.store.fix_tally():
+                    print("recover: the store's counts had drifted from its rows; recounted", file=sys.stderr)
+            s = recover(r, loc.store, keys)
+            marker = ensure_marker(r, config, loc.store)
+            fed = feed_pass(config, r, loc.store, marker.queues)
+            print(f"recover: requeued {s.requeued:,} prompt(s) ({s.lost:,} that were nowhere in Redis, {s.foreign:,} "
+                  f"failed by a non-batchfleet worker); {s.in_redis:,} fed prompt(s) are fine where they are; "
+                  f"fed {fed.total:,} to Redis now, the head feeds the rest")
             return 0
-        ex = export(r, store, keys, args.out, wait=args.wait, timeout_s=args.timeout)
-        print(f"wrote {ex.written:,} lines to {ex.path} ({ex.succeeded:,} succeeded, {ex.failed:,} failed)")
-        if ex.pending:
-            print(f"{ex.pending:,} prompts have no result yet, e.g. {', '.join(ex.first_pending)}", file=sys.stderr)
-            return 1
-        return 0
+        raise UsageError(f"unknown command {args.cmd}")
     finally:
-        store.close()
+        loc.store.close()
 
 
-def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, store: Store) -> int:
+def _export(args: argparse.Namespace, config: Config, r: redis.Redis, loc: Located) -> int:
+    if loc.redis_error is not None:
+        print(f"producer: Redis at {redacted(config.redis_url)} is down ({loc.redis_error}): exporting what the "
+              f"store {loc.store.path} holds (results still in Redis are not included)", file=sys.stderr)
+    elif loc.lost:
+        _say_lost(config, loc)
+    ex = export(None if loc.redis_error else r, loc.store, Keys(config.run), args.out, wait=args.wait,
+                timeout_s=args.timeout)
+    print(f"wrote {ex.written:,} lines to {ex.path} ({ex.succeeded:,} succeeded, {ex.failed:,} failed)")
+    if ex.rejected:
+        print(f"{ex.rejected:,} result(s) answered no prompt of this run (forged, or another run's) and are not "
+              "exported", file=sys.stderr)
+    if ex.pending:
+        print(f"{ex.pending:,} prompts have no result yet, e.g. {', '.join(ex.first_pending)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit: bool) -> int:
     defaults, queues = _defaults(args), _queues(args.queues, config)
     if args.file != "-" and not Path(args.file).is_file():
         raise UsageError(f"{args.file}: no such file")
-    s = enqueue_file(config, r, store, args.file, queues=queues, defaults=defaults,
-                     model=args.model or config.model_path or "default", rejects_path=args.rejects,
-                     progress=not args.no_progress)
+    done = api.enqueue(config, r, args.file, queues=queues, explicit=explicit, defaults=defaults,
+                       model=args.model or config.model_path or "default", rejects_path=args.rejects,
+                       progress=not args.no_progress)
+    done.store.close()
+    s, fed = done.summary, done.fed
     rate = s.lines / s.seconds if s.seconds else 0.0
     print(f"{args.file}: {s.lines:,} lines in {s.seconds:.1f} s ({rate:,.0f}/s): {s.new:,} new, "
-          f"{s.present:,} already queued or running, {s.collected:,} already finished, "
-          f"{s.rejected:,} rejected, {s.duplicates:,} duplicates")
-    if s.new:
-        print("queues: " + ", ".join(f"{q} {n:,}" for q, n in s.per_queue.items()))
+          f"{s.present:,} already in the store, {s.collected:,} already finished, "
+          f"{s.rejected:,} rejected, {s.duplicates:,} duplicates; store {done.store.path}")
+    if fed.total:
+        print("fed to Redis: " + ", ".join(f"{q} {n:,}" for q, n in fed.fed.items() if n))
+    if done.waiting:
+        print(f"{done.waiting:,} prompt(s) wait in the store: keep the head process running to feed them "
+              "(`producer head`, the Procfile's collector line)")
     if s.rejected or s.duplicates:
         print(f"rejected lines are in {s.rejects_path}", file=sys.stderr)
         return 1
@@ -144,16 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = Config.from_env(run=args.run, redis_url=args.redis_url, state_dir=args.state_dir)
         return _run(args, config)
-    except (UsageError, ConfigError) as exc:
+    except (UsageError, ConfigError, StoreError) as exc:
         print(f"producer: {exc}", file=sys.stderr)
     except redis.RedisError as exc:
         url = redacted(config.redis_url) if config else "?"
         print(f"producer: Redis at {url} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     except sqlite3.Error as exc:
         path = config.results_db if config else "?"
-        print(f"producer: results store {path}: {exc}", file=sys.stderr)
+        print(f"producer: store {path}: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
-        print("producer: interrupted", file=sys.stderr)
+        print("producer: interrupted (what was written is kept: run the same command again to complete it)",
+              file=sys.stderr)
         return 130
     return 2
 

@@ -1,98 +1,101 @@
-"""`producer collect`: move finished prompts' results from Redis into the SQLite store.
+"""Collect: move finished prompts' results from Redis into the store.
 
 Workers XADD one `Result` per finished prompt to `Keys.results` and SADD its job id to `Keys.done`.
-The collector reads the stream in batches, stores each batch in one write transaction (success wins
-over failure), and only after COMMIT deletes the entries and the job ids from Redis. A crash in
-between stores the same results again next time, which the upsert makes harmless. Draining is what
-keeps Redis memory bounded however many prompts a run has.
+The collector reads the stream in batches and keeps a result only when it answers a prompt of the
+store: its custom_id was enqueued and its job id is `job_id_for(run, custom_id)`. Anything else (a
+forged entry, another run's result, an unreadable record) is counted, said, and dropped: the export
+holds only the run's own prompts. Each batch is stored in one write transaction (success wins over
+failure; the prompt becomes DONE) and only after COMMIT are the entries and job ids removed from
+Redis. A crash in between stores the same results again next time, which changes nothing.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 from dataclasses import dataclass
+from typing import TextIO
 
 import orjson
 import redis
 
 from batchfleet.keys import Keys
-from batchfleet.records import Result
+from batchfleet.records import RecordError, Result, job_id_for
 
 from .store import Store
 
-__all__ = ["CollectSummary", "collect_once", "follow"]
+__all__ = ["CollectSummary", "collect_once"]
 
 BATCH = 1000
+SHOW_REJECTED = 3  # rejected entries described one by one per pass; the rest only counted
 
 
 @dataclass
 class CollectSummary:
     succeeded: int = 0
     failed: int = 0
-    unreadable: int = 0  # entries left in the stream because they do not decode as a Result
+    rejected: int = 0  # entries that answer no prompt of this run (forged, foreign, unreadable)
 
     @property
     def stored(self) -> int:
         return self.succeeded + self.failed
 
+    def add(self, other: CollectSummary) -> None:
+        self.succeeded += other.succeeded
+        self.failed += other.failed
+        self.rejected += other.rejected
 
-def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH) -> CollectSummary:
+
+def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH,
+                 log: TextIO | None = None) -> CollectSummary:
     """Drain the results stream as it stands now."""
+    log = log or sys.stderr
     out = CollectSummary()
-    lo = "-"
+    said = 0
     while True:
-        entries = r.xrange(keys.results, min=lo, max="+", count=batch)
+        entries = r.xrange(keys.results, min="-", max="+", count=batch)
         if not entries:
             return out
-        ids, jids, rows, prompts = [], [], [], []
+        parsed: list[tuple[bytes, Result | None, str]] = []
         for eid, fields in entries:
             try:
-                res = Result.from_json(fields[b"r"])
-            except (KeyError, TypeError, ValueError) as exc:
-                out.unreadable += 1
-                print(f"collect: stream entry {eid.decode()} is not a Result ({exc}); left in place",
-                      file=sys.stderr)
-                continue
-            ids.append(eid)
-            jids.append(res.jid)
-            rows.append((res.cid, res.jid, int(res.ok), orjson.dumps(res.batch_output_line()), res.finished_at))
-            # a prompt whose enqueue crashed before its row was written still gets exported
-            prompts.append((res.cid, res.seq, res.jid, ""))
-            if res.ok:
-                out.succeeded += 1
-            else:
-                out.failed += 1
-        if rows:
-            with store.write():
-                store.upsert_results(rows)
-                store.add_prompts(prompts)
-            pipe = r.pipeline(transaction=False)
-            pipe.xdel(keys.results, *ids)
-            pipe.srem(keys.done, *jids)
-            pipe.execute()
+                parsed.append((eid, Result.from_json(fields[b"r"]), ""))
+            except (KeyError, RecordError) as exc:
+                parsed.append((eid, None, f"not a result record ({exc})"))
+        ok_jids: list[str] = []
+        rows: list[tuple[int, int, int, bytes, float]] = []
+        rejected: list[str] = []
+        with store.write():
+            known = store.lookup([res.cid for _, res, _ in parsed if res is not None])
+            for eid, res, why in parsed:
+                if res is not None:
+                    hit = known.get(res.cid)
+                    if hit is None:
+                        why = f"custom_id {res.cid[:80]!r} was never enqueued in run {keys.run}"
+                    elif res.jid != job_id_for(keys.run, res.cid):
+                        why = f"job id {res.jid[:40]!r} is not the job of custom_id {res.cid[:80]!r}"
+                    else:
+                        rows.append((hit[0], hit[1], int(res.ok), orjson.dumps(res.batch_output_line()),
+                                     res.finished_at))
+                        ok_jids.append(res.jid)
+                        if res.ok:
+                            out.succeeded += 1
+                        else:
+                            out.failed += 1
+                        continue
+                rejected.append(f"stream entry {eid.decode()}: {why}")
+            store.store_results(rows)
+            store.add_rejected(len(rejected))
+        out.rejected += len(rejected)
+        for text in rejected[: max(0, SHOW_REJECTED - said)]:
+            print(f"collect: dropped {text}", file=log, flush=True)
+        said += len(rejected)
+        pipe = r.pipeline(transaction=False)
+        pipe.xdel(keys.results, *(eid for eid, _, _ in parsed))
+        if ok_jids:
+            pipe.srem(keys.done, *ok_jids)
+        pipe.execute()
+        if said > SHOW_REJECTED and len(entries) < batch:
+            print(f"collect: dropped {said} result(s) in all that answer no prompt of run {keys.run}",
+                  file=log, flush=True)
         if len(entries) < batch:
             return out
-        lo = "(" + entries[-1][0].decode()  # exclusive: skips entries left in place above
-
-
-def follow(r: redis.Redis, store: Store, keys: Keys, *, interval_s: float) -> CollectSummary:
-    """Collect every `interval_s` until SIGINT/SIGTERM; the pass in progress finishes first."""
-    stop = threading.Event()
-    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    total = CollectSummary()
-    try:
-        while not stop.is_set():
-            got = collect_once(r, store, keys)
-            total.succeeded += got.succeeded
-            total.failed += got.failed
-            total.unreadable = got.unreadable
-            if got.stored:
-                print(f"collect: +{got.succeeded} ok, +{got.failed} failed "
-                      f"(total {total.succeeded} ok, {total.failed} failed)", file=sys.stderr, flush=True)
-            stop.wait(interval_s)
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-    return total

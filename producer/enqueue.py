@@ -1,15 +1,15 @@
-"""`producer enqueue`: stream a JSONL file into RQ jobs, one per prompt, idempotent by custom_id.
+"""`producer enqueue`: validate a JSONL file into the run's store, then feed one window to Redis.
 
-The file is read line by line and enqueued in batches (never loaded whole). Per batch, inside one
-SQLite write transaction (the collector takes the same lock):
-  1. drop custom_ids that already have a result in the store (collected: never run again);
-  2. give new custom_ids the next `seq` (an already known custom_id keeps its own);
-  3. one EVALSHA (`lua.ENQUEUE_LUA`) writes each job hash and queues its id, skipping jobs that
-     exist or are done-but-not-collected in Redis;
-  4. INSERT OR IGNORE the prompts rows, then COMMIT.
-A crash between 3 and 4 leaves jobs in Redis without rows: the next run finds them present and
-adds the rows. Prompts go round-robin over the queues; workers steal from other queues when theirs
-runs dry, so the spread need not be perfect.
+The file is streamed line by line (never loaded whole) and written to the store in big transactions
+(executemany): prompt text, url, source line, an expected cost (its max_tokens) and the state WAITING.
+Idempotent by custom_id: a custom_id the store already knows is left as it is (`INSERT OR IGNORE`), so
+re-enqueueing a file adds nothing and a prompt with a result is never run again; a custom_id seen twice
+in this file is rejected with the line of its first occurrence (read back from the store, so memory
+stays flat however long the file). Ctrl-C loses at most the batch in progress, and running the same
+command again completes the run.
+
+At the end, one feed pass puts a window into Redis (`feed.Feeder`) so a small run starts at once; the
+head process (`producer head`) feeds the rest as workers take prompts.
 """
 
 from __future__ import annotations
@@ -17,105 +17,42 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
-import redis
 
-from batchfleet.config import Config
-from batchfleet.jobs import GENERATE
-from batchfleet.keys import FAILURE_TTL_S, RQ_QUEUES, Keys
-from batchfleet.records import Prompt, job_id_for
+from batchfleet.records import ENDPOINTS
 
-from .lua import ENQUEUE_LUA
 from .parse import Reject, parse_line
 from .progress import Reporter
-from .store import Store
+from .store import UNBOUNDED_COST, State, Store
 
-__all__ = ["EnqueueSummary", "Enqueuer", "enqueue_file"]
+__all__ = ["EnqueueSummary", "cost_of", "enqueue_file"]
 
-BATCH = 1000
+BATCH = 5000  # prompts per store transaction
 MAX_MESSAGES = 100  # reject lines echoed on stderr; all of them go to the rejects file
-_RQ_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"  # rq.utils.utcformat
+_EP = {url: i for i, url in enumerate(ENDPOINTS)}
 
 
 @dataclass
 class EnqueueSummary:
     lines: int = 0
-    new: int = 0  # queued now
-    present: int = 0  # already queued, running, failed (requeueable) or done in Redis
-    collected: int = 0  # already have a result in the store
+    new: int = 0  # written to the store now
+    present: int = 0  # already in the store (waiting or in Redis)
+    collected: int = 0  # already have a result
     rejected: int = 0
     duplicates: int = 0  # same custom_id twice in this file
     rejects_path: Path | None = None
     seconds: float = 0.0
-    per_queue: dict[str, int] = field(default_factory=dict)  # new jobs per queue
+    fed: dict[str, int] = field(default_factory=dict)  # put into Redis by the final feed pass, per queue
+    waiting: int = 0  # left in the store for the head to feed
 
 
-class Enqueuer:
-    """Batches prompts and writes each batch with one Lua call inside one store transaction."""
-
-    def __init__(self, config: Config, r: redis.Redis, store: Store, *, queues: tuple[str, ...],
-                 summary: EnqueueSummary) -> None:
-        self.keys = Keys(config.run)
-        self.run = config.run
-        self.store = store
-        self.queues = queues
-        self.summary = summary
-        self.timeout = str(int(config.request_timeout_s))
-        self.script = r.register_script(ENQUEUE_LUA)
-        self.batch: list[tuple[str, str, dict[str, Any], str]] = []
-        self.rr = 0
-
-    def add(self, cid: str, url: str, body: dict[str, Any], src: str) -> None:
-        self.batch.append((cid, url, body, src))
-        if len(self.batch) >= BATCH:
-            self.flush()
-
-    def flush(self) -> None:
-        batch, self.batch = self.batch, []
-        if not batch:
-            return
-        s, k, nq = self.summary, self.keys, len(self.queues)
-        cids = [b[0] for b in batch]
-        ts = datetime.now(UTC).strftime(_RQ_TIME)
-        with self.store.write():
-            have_result = self.store.with_results(cids)
-            known = self.store.seqs(cids)
-            seq = self.store.max_seq()
-            job_keys: list[list[str]] = [[] for _ in range(nq)]  # grouped by queue, as the script wants
-            blobs: list[list[bytes]] = [[] for _ in range(nq)]
-            rows = []
-            for cid, url, body, src in batch:
-                if cid in have_result:
-                    s.collected += 1
-                    continue
-                own = known.get(cid)
-                if own is None:
-                    seq += 1
-                    own = seq
-                jid = job_id_for(self.run, cid)
-                qi = self.rr % nq
-                self.rr += 1
-                data = orjson.dumps([GENERATE, None, [Prompt(cid, own, url, body, src, self.run).to_dict()], {}])
-                job_keys[qi].append(Keys.job(jid))
-                blobs[qi].append(b"%s\0generate(%s)" % (data, cid.encode()))
-                rows.append((cid, own, jid, src))
-            if rows:
-                keys = [k.done, k.stats, RQ_QUEUES, *(Keys.queue(q) for q in self.queues)]
-                args: list[Any] = [nq, len(Keys.job("")), ts, self.timeout, 0, FAILURE_TTL_S, *self.queues]
-                args += [len(b) for b in blobs]
-                for qi in range(nq):
-                    keys += job_keys[qi]
-                    args += blobs[qi]
-                added, present, *per_queue = self.script(keys=keys, args=args)
-                s.new += added
-                s.present += present
-                for q, n in zip(self.queues, per_queue, strict=True):
-                    s.per_queue[q] = s.per_queue.get(q, 0) + n
-                self.store.add_prompts(rows)
+def cost_of(body: dict[str, Any]) -> int:
+    """The expected work of a prompt: its max_tokens (or max_completion_tokens); UNBOUNDED_COST without."""
+    n = body.get("max_tokens") or body.get("max_completion_tokens")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else UNBOUNDED_COST
 
 
 class _Rejects:
@@ -139,18 +76,58 @@ class _Rejects:
             self.path.unlink()  # a clean run must not leave the previous run's rejects behind
 
 
-def enqueue_file(config: Config, r: redis.Redis, store: Store, path: str, *, queues: tuple[str, ...],
-                 defaults: dict[str, Any], model: str, rejects_path: Path | None = None,
+class _Writer:
+    """Batches valid lines into store transactions and sorts out the custom_ids the store knew."""
+
+    def __init__(self, store: Store, name: str, summary: EnqueueSummary, reject: Any) -> None:
+        self.store = store
+        self.summary = summary
+        self.reject = reject
+        with store.write():
+            self.file_id = store.file_id(name)
+            self.start_seq = store.max_seq()  # rows above it were written by this run
+        self.batch: list[tuple[str, int, bytes, int, int, int]] = []
+        self.raw: list[bytes] = []
+
+    def add(self, cid: str, url: str, body: dict[str, Any], lineno: int, raw: bytes) -> None:
+        self.batch.append((cid, _EP[url], orjson.dumps(body), self.file_id, lineno, cost_of(body)))
+        self.raw.append(raw)
+        if len(self.batch) >= BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        batch, raws, self.batch, self.raw = self.batch, self.raw, [], []
+        if not batch:
+            return
+        s = self.summary
+        dups: list[tuple[int, str, bytes]] = []
+        with self.store.write():
+            n = self.store.insert_prompts(batch)
+            if n < len(batch):
+                known = self.store.known([row[0] for row in batch])
+                for (cid, _, _, file_id, lineno, _), raw in zip(batch, raws, strict=True):
+                    seq, f, first, state = known[cid]
+                    if seq <= self.start_seq:
+                        if state == State.DONE:
+                            s.collected += 1
+                        else:
+                            s.present += 1
+                    elif (f, first) != (file_id, lineno):
+                        dups.append((lineno, f"duplicate custom_id {cid!r} (first at line {first})", raw))
+        s.new += n
+        for lineno, reason, raw in dups:
+            self.reject(lineno, reason, raw, duplicate=True)
+
+
+def enqueue_file(store: Store, path: str, *, defaults: dict[str, Any], model: str, rejects_path: Path | None = None,
                  progress: bool = True) -> EnqueueSummary:
-    """Enqueue every valid line of `path` (`-` = stdin). Messages and progress go to stderr."""
+    """Write every valid line of `path` (`-` = stdin) to the store. Messages and progress go to stderr."""
     name = "stdin" if path == "-" else path
     summary = EnqueueSummary(rejects_path=rejects_path or Path(f"{name}.rejects.jsonl"))
     rejects = _Rejects(summary.rejects_path)
     fh: IO[bytes] = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
     size = None if path == "-" or not Path(path).is_file() else Path(path).stat().st_size
     report = Reporter(f"enqueue {name}", size, enabled=progress)
-    enq = Enqueuer(config, r, store, queues=queues, summary=summary)
-    first_line: dict[str, int] = {}  # custom_id -> line, for duplicates inside this file
     start, nbytes = time.monotonic(), 0
 
     def reject(lineno: int, reason: str, raw: bytes, *, duplicate: bool = False) -> None:
@@ -164,6 +141,7 @@ def enqueue_file(config: Config, r: redis.Redis, store: Store, path: str, *, que
             report.message(f"... further rejects only in {summary.rejects_path}")
         rejects.write(name, lineno, reason, raw)
 
+    writer = _Writer(store, name, summary, reject)
     try:
         for lineno, raw in enumerate(fh, 1):
             nbytes += len(raw)
@@ -175,14 +153,10 @@ def enqueue_file(config: Config, r: redis.Redis, store: Store, path: str, *, que
             except Reject as exc:
                 reject(lineno, str(exc), raw)
                 continue
-            first = first_line.setdefault(cid, lineno)
-            if first != lineno:
-                reject(lineno, f"duplicate custom_id {cid!r} (first at line {first})", raw, duplicate=True)
-                continue
-            enq.add(cid, url, body, f"{name}:{lineno}")
+            writer.add(cid, url, body, lineno, raw)
             if lineno % BATCH == 0:
                 report.update(summary.lines, nbytes)
-        enq.flush()
+        writer.flush()
         report.update(summary.lines, nbytes)
     finally:
         report.close()

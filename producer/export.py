@@ -1,8 +1,10 @@
 """`producer export`: the OpenAI batch output file, one line per prompt that has a result.
 
-Lines come out in input order (`prompts.seq`), each exactly `Result.batch_output_line()` as the
-collector stored it. The file is written next to its destination and renamed into place, so a
-reader never sees half an export.
+Lines come out in input order (the store's `seq`), each exactly `Result.batch_output_line()` as the
+collector stored it; only prompts enqueued into the store can have one (see collect.py). The file is
+written next to its destination and renamed into place, so a reader never sees half an export.
+With Redis up, results waiting in Redis are collected first; with Redis down, the store alone is
+exported (read-only).
 """
 
 from __future__ import annotations
@@ -32,17 +34,20 @@ class ExportSummary:
     succeeded: int = 0
     failed: int = 0
     pending: int = 0
+    rejected: int = 0  # results dropped over the run because they answered no prompt of it
     first_pending: list[str] = field(default_factory=list)
 
 
-def export(r: redis.Redis, store: Store, keys: Keys, out: Path, *, wait: bool = False,
+def export(r: redis.Redis | None, store: Store, keys: Keys, out: Path, *, wait: bool = False,
            timeout_s: float | None = None, poll_s: float = 2.0) -> ExportSummary:
-    """Collect (with `wait`: until nothing is pending or `timeout_s` passes), then write `out`."""
+    """Collect (unless `r` is None; with `wait`: until nothing is pending or `timeout_s` passes), then
+    write `out`."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
+    while r is not None:
         collect_once(r, store, keys)
-        counts = store.counts()
-        if not wait or counts["pending"] == 0 or (deadline is not None and time.monotonic() >= deadline):
+        with store.read():
+            pending = store.counts()["pending"]
+        if not wait or pending == 0 or (deadline is not None and time.monotonic() >= deadline):
             break
         time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
@@ -56,7 +61,8 @@ def export(r: redis.Redis, store: Store, keys: Keys, out: Path, *, wait: bool = 
             # one read snapshot: the counts and the lines agree even while a collector writes
             counts = store.counts()
             summary = ExportSummary(path=out, succeeded=counts["succeeded"], failed=counts["failed"],
-                                    pending=counts["pending"], first_pending=store.pending(SHOW_PENDING))
+                                    pending=counts["pending"], rejected=store.rejected_results(),
+                                    first_pending=store.pending_examples(SHOW_PENDING))
             for line in store.result_lines():
                 fh.write(line)
                 fh.write(b"\n")

@@ -1,25 +1,12 @@
-"""`producer status`: where the run stands. Runs a collect pass first so the counts are current.
+"""`producer status`: where every prompt of the run is. Read-only: it collects nothing, opens the store
+read-only, and works from the store alone when Redis is down. The keys of `--json` are documented in
+docs/store.md ("Status"); every pending prompt is in exactly one of the totals' places:
 
-`--json` prints one object:
-
-    run, redis                       the run name and the (redacted) Redis URL
-    queues: {q: {queued, in_flight, succeeded, failed, failed_registry}}
-        queued = LLEN of the queue, in_flight = RQ's started registry, succeeded/failed = the
-        workers' counters for that queue (every final result ever), failed_registry = jobs in RQ's
-        failed registry now (what `rq requeue` would run again)
-    totals: {prompts, succeeded, failed, pending, queued, in_flight, enqueued}
-        prompts/succeeded/failed/pending from the results store (pending = no final result yet),
-        queued/in_flight summed over queues, enqueued = the Redis counter of jobs ever created
-    workers: {fresh, known}          status records younger than keys.STATUS_TTL_S / names known
-    fleet_tokens_per_s               sum of `tokens_per_s` over fresh worker records
-    mean_completion_tokens           completion tokens per succeeded prompt so far (null: none yet)
-    prompts_per_s                    fleet_tokens_per_s / mean_completion_tokens (null: unknown)
-    eta_s, eta                       pending / prompts_per_s, and as text ("unknown" when unknown)
+    pending = waiting + queued + in_flight + done_not_collected + failed_foreign + lost
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import orjson
@@ -27,78 +14,88 @@ import redis
 
 from batchfleet.config import Config
 from batchfleet.connection import redacted
-from batchfleet.keys import STATUS_TTL_S, Keys
-from batchfleet.records import WorkerStatus
+from batchfleet.keys import Keys, valid_queue_name
+from batchfleet.marker import repair_command
 
-from .collect import collect_once
-from .store import Store
+from .feed import read_fleet_view
+from .locate import Located
+from .recover import audit
 
 __all__ = ["format_status", "gather_status"]
 
 
 def _num(v: bytes) -> int | float:
-    f = float(v)
+    try:
+        f = float(v)
+    except ValueError:
+        return 0
     return int(f) if f.is_integer() else f
 
 
-def gather_status(config: Config, r: redis.Redis, store: Store) -> dict[str, Any]:
-    keys = Keys(config.run)
-    collect_once(r, store, keys)
-    stats = {k.decode(): _num(v) for k, v in r.hgetall(keys.stats).items()}
-    queues = list(config.queues)
-    for field in stats:  # queues this run used, even when not in the current configuration
-        kind, _, q = field.partition(":")
-        if kind in ("enqueued", "succeeded", "failed") and q and q not in queues:
+def gather_status(config: Config, r: redis.Redis, loc: Located) -> dict[str, Any]:
+    store, keys = loc.store, Keys(config.run)
+    with store.read():
+        counts = store.counts()
+        rejected = store.rejected_results()
+    repair = repair_command(config.run, str(store.path.parent))
+    out: dict[str, Any] = {
+        "run": config.run,
+        "redis": redacted(config.redis_url),
+        "redis_up": loc.redis_error is None,
+        "redis_error": loc.redis_error,
+        "store": {"path": str(store.path), "id": store.id, "host": loc.marker.host if loc.marker else None},
+        "marker": "unknown" if loc.redis_error else ("present" if loc.marker else "missing"),
+        "redis_lost_data": loc.lost,
+        "repair": repair if loc.lost else None,
+        "rejected_results": rejected,
+    }
+    totals: dict[str, Any] = {**{k: counts[k] for k in ("prompts", "succeeded", "failed", "pending", "waiting")}}
+    if loc.redis_error is not None:
+        totals.update({k: None for k in ("queued", "in_flight", "done_not_collected", "failed_foreign", "lost")})
+        totals["in_redis"] = counts["fed"]
+        out.update(totals=totals, queues={}, foreign_failures=[], workers=None, fleet_tokens_per_s=None,
+                   mean_completion_tokens=None, prompts_per_s=None, eta_s=None, eta="unknown")
+        return out
+
+    a = audit(r, store, keys)
+    totals.update(queued=a.counts["queued"], in_flight=a.counts["in_flight"], done_not_collected=a.counts["done"],
+                  failed_foreign=a.counts["failed_foreign"], lost=a.counts["lost"], in_redis=counts["fed"])
+    foreign = a.foreign_by_worker(r)
+    stats = {k.decode(errors="replace"): _num(v) for k, v in r.hgetall(keys.stats).items()}
+    view = read_fleet_view(r, keys)
+    queues = list(loc.marker.queues if loc.marker else ())
+    for name in stats:  # queues this run used
+        kind, _, q = name.partition(":")
+        if kind in ("enqueued", "succeeded", "failed") and valid_queue_name(q) and q not in queues:
             queues.append(q)
+    queues += [q for q in view.capacity if q not in queues]
     pipe = r.pipeline(transaction=False)
     for q in queues:
         pipe.llen(Keys.queue(q))
         pipe.zcard(Keys.started(q))
         pipe.zcard(Keys.failed(q))
     depth = pipe.execute()
-    per_queue = {
-        q: {"queued": depth[3 * i], "in_flight": depth[3 * i + 1],
-            "succeeded": stats.get(f"succeeded:{q}", 0), "failed": stats.get(f"failed:{q}", 0),
-            "failed_registry": depth[3 * i + 2]}
+    out["queues"] = {
+        q: {"queued": depth[3 * i], "in_flight": depth[3 * i + 1], "succeeded": stats.get(f"succeeded:{q}", 0),
+            "failed": stats.get(f"failed:{q}", 0), "failed_registry": depth[3 * i + 2],
+            "workers_capacity": view.capacity.get(q, 0)}
         for i, q in enumerate(queues)
     }
-
-    names = sorted(n.decode() for n in r.smembers(keys.workers))
-    records = r.mget([keys.status(n) for n in names]) if names else []
-    now, tps, fresh = time.time(), 0.0, 0
-    for raw in records:
-        if raw is None:
-            continue
-        try:
-            ws = WorkerStatus.from_json(raw)
-        except (TypeError, ValueError):
-            continue
-        if now - ws.ts <= STATUS_TTL_S:
-            fresh += 1
-            tps += ws.tokens_per_s
-
-    counts = store.counts()
     succeeded = stats.get("succeeded", 0)
     mean_ct = stats.get("completion_tokens", 0) / succeeded if succeeded else None
-    rate = tps / mean_ct if mean_ct and tps > 0 else None
+    rate = view.tokens_per_s / mean_ct if mean_ct and view.tokens_per_s > 0 else None
     eta_s = counts["pending"] / rate if rate else (0.0 if counts["pending"] == 0 else None)
-    return {
-        "run": config.run,
-        "redis": redacted(config.redis_url),
-        "queues": per_queue,
-        "totals": {
-            **counts,
-            "queued": sum(v["queued"] for v in per_queue.values()),
-            "in_flight": sum(v["in_flight"] for v in per_queue.values()),
-            "enqueued": stats.get("enqueued", 0),
-        },
-        "workers": {"fresh": fresh, "known": len(names)},
-        "fleet_tokens_per_s": round(tps, 1),
-        "mean_completion_tokens": None if mean_ct is None else round(mean_ct, 1),
-        "prompts_per_s": None if rate is None else round(rate, 2),
-        "eta_s": None if eta_s is None else round(eta_s),
-        "eta": _eta_text(eta_s),
-    }
+    out.update(
+        totals=totals, foreign_failures=foreign,
+        repair=repair if (loc.lost or a.counts["lost"] or foreign) else None,
+        workers={"fresh": view.fresh, "known": view.known},
+        fleet_tokens_per_s=round(view.tokens_per_s, 1),
+        mean_completion_tokens=None if mean_ct is None else round(mean_ct, 1),
+        prompts_per_s=None if rate is None else round(rate, 2),
+        eta_s=None if eta_s is None else round(eta_s),
+        eta=_eta_text(eta_s),
+    )
+    return out
 
 
 def _eta_text(eta_s: float | None) -> str:
@@ -111,17 +108,44 @@ def _eta_text(eta_s: float | None) -> str:
 def format_status(st: dict[str, Any], *, as_json: bool) -> str:
     if as_json:
         return orjson.dumps(st).decode()
-    rows = [("queue", "queued", "in flight", "succeeded", "failed", "failed now")]
-    for q, v in st["queues"].items():
-        rows.append((q, *(f"{v[k]:,}" for k in ("queued", "in_flight", "succeeded", "failed", "failed_registry"))))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [f"run {st['run']} on {st['redis']}"]
-    lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-              for row in rows]
+    where = st["store"]["path"] + (f" on {st['store']['host']}" if st["store"]["host"] else "")
+    lines = [f"run {st['run']}: store {where}; Redis {st['redis']}"
+             + ("" if st["redis_up"] else f" is DOWN ({st['redis_error']}): counts from the store only")]
+    if st["redis_lost_data"]:
+        lines.append(f"REDIS LOST THIS RUN'S DATA: its marker is gone while the store has fed prompts "
+                     f"(restart without persistence, or failover). Repair: {st['repair']} "
+                     "(a running `producer head` does it by itself)")
+    if st["queues"]:
+        rows = [("queue", "queued", "in flight", "succeeded", "failed", "failed now")]
+        for q, v in st["queues"].items():
+            rows.append((q, *(f"{v[k]:,}" for k in ("queued", "in_flight", "succeeded", "failed",
+                                                      "failed_registry"))))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+                  for row in rows]
     t = st["totals"]
-    rate = "unknown" if st["prompts_per_s"] is None else f"{st['prompts_per_s']:,} prompts/s"
     lines.append(f"prompts {t['prompts']:,}: {t['succeeded']:,} succeeded, {t['failed']:,} failed, "
-                 f"{t['pending']:,} pending ({t['queued']:,} queued, {t['in_flight']:,} in flight)")
-    lines.append(f"workers {st['workers']['fresh']} fresh of {st['workers']['known']}; "
-                 f"{st['fleet_tokens_per_s']:,} tokens/s; {rate}; ETA {st['eta']}")
+                 f"{t['pending']:,} pending")
+    if st["redis_up"]:
+        parts = [f"{t['waiting']:,} waiting in the store", f"{t['queued']:,} queued", f"{t['in_flight']:,} in flight",
+                 f"{t['done_not_collected']:,} done, not collected yet"]
+        parts += [f"{t['failed_foreign']:,} failed by a foreign worker"] if t["failed_foreign"] else []
+        parts += [f"{t['lost']:,} LOST from Redis"] if t["lost"] else []
+        lines.append("  pending: " + ", ".join(parts))
+        for f in st["foreign_failures"]:
+            lines.append(f"  {f['count']:,} prompt(s) on queue {f['queue']} were failed by worker {f['worker']}, "
+                         "which is not a batchfleet worker (start workers with RQ_WORKER_CLASS=worker.GPUWorker); "
+                         f"stop it, then requeue them: {st['repair']}")
+        if t["lost"] and not st["redis_lost_data"]:
+            lines.append(f"  {t['lost']:,} fed prompt(s) are nowhere in Redis: a running `producer head` requeues "
+                         f"them, or: {st['repair']}")
+        rate = "unknown" if st["prompts_per_s"] is None else f"{st['prompts_per_s']:,} prompts/s"
+        lines.append(f"workers {st['workers']['fresh']} fresh of {st['workers']['known']}; "
+                     f"{st['fleet_tokens_per_s']:,} tokens/s; {rate}; ETA {st['eta']}")
+    else:
+        lines.append(f"  pending: {t['waiting']:,} waiting in the store, {t['in_redis']:,} fed to Redis "
+                     "(where in Redis: unknown while it is down)")
+    if st["rejected_results"]:
+        lines.append(f"{st['rejected_results']:,} result(s) answered no prompt of this run (forged or foreign) and "
+                     "were dropped")
     return "\n".join(lines)

@@ -1,58 +1,175 @@
-"""The results store: one SQLite file per run on the producer host (`Config.results_db`).
+"""The run's store: one SQLite file on the head host, the source of truth for every prompt and result.
 
-    prompts(cid PRIMARY KEY, seq, jid, src)              every prompt ever enqueued in this run
-    results(cid PRIMARY KEY, jid, ok, line, finished_at) its final result, as the export line
+    meta(key, value)                         store_id (a uuid), run, schema, created, rejected_results
+    files(id, name)                          input files, so a prompt's source costs two integers
+    prompts(seq INTEGER PRIMARY KEY, cid UNIQUE, ep, body, file, line, cost, state)
+        seq    input order across every enqueue of the run (the export's order)
+        ep     index into records.ENDPOINTS; body = the request body as JSON, sent as is
+        cost   expected work: the body's max_tokens (or max_completion_tokens), UNBOUNDED_COST without
+        state  WAITING (only in the store) -> FED (an RQ job in Redis) -> DONE (its result is here)
+    results(seq INTEGER PRIMARY KEY, ok, line, finished_at)   one final result per prompt, as its export line
+    tally(name, n)                           counts per state and of successes, kept in the same
+                                             transactions as the rows (COUNT(*) over 10M rows is slow)
 
-Enqueue and collect both write inside `BEGIN IMMEDIATE` (`Store.write()`): SQLite's single writer
-lock serialises "is there a result for this cid?" (enqueue) against "result stored, job id removed
-from Redis" (collect), so a prompt whose result was just collected is never enqueued again.
-WAL lets `status` and `export` read while a collector writes.
+Partial indexes keep the two hot questions cheap however large the run: "which waiting prompts go next"
+(`prompts_waiting`, longest expected work first, then input order) and "which prompts are in Redis"
+(`prompts_fed`).
+
+Writers (enqueue, feed, collect, recover) hold SQLite's single writer lock for a whole transaction
+(`Store.write()`, BEGIN IMMEDIATE): "is there a result for this prompt?" is serialised against
+"result stored, job removed from Redis", so a prompt with a result is never fed again. WAL lets
+`status` and `export` read (read-only connections) while the head writes.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sqlite3
-from collections.abc import Iterable, Iterator, Sequence
+import time
+import uuid
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from enum import IntEnum
 from pathlib import Path
 
-__all__ = ["Store"]
+from batchfleet.records import ENDPOINTS
+
+__all__ = ["UNBOUNDED_COST", "MissingStore", "State", "Store", "StoreError"]
+
+SCHEMA_VERSION = "2"
+UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so it goes first
+_CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS files (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE);
 CREATE TABLE IF NOT EXISTS prompts (
-    cid TEXT PRIMARY KEY, seq INTEGER NOT NULL, jid TEXT NOT NULL, src TEXT NOT NULL DEFAULT ''
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS prompts_seq ON prompts(seq);
+    seq INTEGER PRIMARY KEY,
+    cid TEXT NOT NULL UNIQUE,
+    ep INTEGER NOT NULL,
+    body BLOB NOT NULL,
+    file INTEGER NOT NULL,
+    line INTEGER NOT NULL,
+    cost INTEGER NOT NULL,
+    state INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS prompts_waiting ON prompts(cost DESC, seq) WHERE state = 0;
+CREATE INDEX IF NOT EXISTS prompts_fed ON prompts(seq) WHERE state = 1;
 CREATE TABLE IF NOT EXISTS results (
-    cid TEXT PRIMARY KEY, jid TEXT NOT NULL, ok INTEGER NOT NULL, line BLOB NOT NULL,
-    finished_at REAL NOT NULL
-) WITHOUT ROWID;
+    seq INTEGER PRIMARY KEY, ok INTEGER NOT NULL, line BLOB NOT NULL, finished_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tally (name TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+INSERT OR IGNORE INTO tally (name, n) VALUES ('waiting', 0), ('fed', 0), ('done', 0), ('ok', 0);
 """
 
-# Success wins: a failure never replaces a success; otherwise the later result replaces the older.
-_UPSERT = """
-INSERT INTO results (cid, jid, ok, line, finished_at) VALUES (?, ?, ?, ?, ?)
-ON CONFLICT (cid) DO UPDATE SET jid = excluded.jid, ok = excluded.ok, line = excluded.line,
-    finished_at = excluded.finished_at
-WHERE excluded.ok > results.ok OR (excluded.ok = results.ok AND excluded.finished_at >= results.finished_at)
-"""
+_INSERT = "INSERT OR IGNORE INTO prompts (cid, ep, body, file, line, cost) VALUES (?, ?, ?, ?, ?, ?)"
 
-_CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
+
+def _wins(ok: int, finished_at: float, old_ok: int, old_finished_at: float) -> bool:
+    return ok > old_ok or (ok == old_ok and finished_at >= old_finished_at)
+
+
+class State(IntEnum):
+    """Where a prompt is (the `prompts.state` column)."""
+
+    WAITING = 0  # only in the store: the head feeds it when its queue has room
+    FED = 1  # an RQ job in Redis (queued, in flight, or finished and not yet collected)
+    DONE = 2  # its final result is in `results`
+
+    @property
+    def tally(self) -> str:
+        return self.name.lower()
+
+
+class StoreError(Exception):
+    """The store is missing, belongs to another run, or was made by an older batchfleet: exit 2."""
+
+
+class MissingStore(StoreError):
+    """There is no store file at the path."""
 
 
 class Store:
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    """One connection to a run's store. Build with `create_or_open` (enqueue) or `open`."""
+
+    def __init__(self, db: sqlite3.Connection, path: Path, *, readonly: bool) -> None:
+        self.db = db
         self.path = path
-        # autocommit mode: transactions are explicit (BEGIN IMMEDIATE), never implicit
-        self.db = sqlite3.connect(path, isolation_level=None, timeout=60.0)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes; WAL-safe
-        self.db.executescript(_SCHEMA)
+        self.readonly = readonly
+        meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+        if meta.get("schema") != SCHEMA_VERSION:
+            db.close()
+            raise StoreError(f"{path} was made by another version of batchfleet (store layout "
+                             f"{meta.get('schema', '1')}, this one reads {SCHEMA_VERSION})")
+        self.id: str = meta["store_id"]
+        self.run: str = meta["run"]
+        self.created: float = float(meta["created"])
+
+    # --- opening ------------------------------------------------------------------------------------
+    @classmethod
+    def create_or_open(cls, path: Path, *, run: str) -> Store:
+        """Open the store at `path`, creating it (mode 0600, its directory 0700) when missing."""
+        path = path.absolute()
+        if not path.exists():
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+            os.close(fd)
+        db = cls._connect(path, readonly=False)
+        db.executescript(_SCHEMA)  # idempotent: two processes may both get here
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if db.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == 0:
+                db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [
+                    ("schema", SCHEMA_VERSION), ("store_id", uuid.uuid4().hex), ("run", run),
+                    ("created", repr(time.time())), ("host", socket.gethostname()), ("rejected_results", "0")])
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        store = cls(db, path, readonly=False)
+        store._check_run(run)
+        return store
+
+    @classmethod
+    def open(cls, path: Path, *, run: str, readonly: bool = False) -> Store:
+        """Open an existing store; never creates a file or a directory."""
+        path = path.absolute()
+        if not path.is_file():
+            raise MissingStore(f"no store at {path}")
+        try:
+            db = cls._connect(path, readonly=readonly)
+            has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone()
+        except sqlite3.Error as exc:
+            raise StoreError(f"{path} is not a batchfleet store ({exc})") from None
+        if not has_meta:
+            db.close()
+            raise StoreError(f"{path} is not a batchfleet store of this version (no meta table)")
+        store = cls(db, path, readonly=readonly)
+        store._check_run(run)
+        return store
+
+    @staticmethod
+    def _connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
+        # autocommit mode: transactions are explicit (BEGIN IMMEDIATE / BEGIN), never implicit
+        if readonly:
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, timeout=60.0)
+        else:
+            db = sqlite3.connect(path, isolation_level=None, timeout=60.0)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes; WAL-safe
+        db.execute("PRAGMA cache_size=-65536")  # 64 MiB: the unique cid index of a 10M-prompt run
+        return db
+
+    def _check_run(self, run: str) -> None:
+        if self.run != run:
+            self.db.close()
+            raise StoreError(f"{self.path} is the store of run {self.run!r}, not {run!r}")
 
     def close(self) -> None:
         self.db.close()
 
+    # --- transactions -------------------------------------------------------------------------------
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction holding SQLite's writer lock from its first statement."""
@@ -73,53 +190,134 @@ class Store:
         finally:
             self.db.execute("COMMIT")
 
-    # --- enqueue -------------------------------------------------------------------------------
-    def _among(self, sql: str, cids: Sequence[str]) -> list[tuple]:
+    def _tally(self, name: str, delta: int) -> None:
+        if delta:
+            self.db.execute("UPDATE tally SET n = n + ? WHERE name = ?", (delta, name))
+
+    def _among(self, sql: str, values: Sequence[object]) -> list[tuple]:
         rows: list[tuple] = []
-        for i in range(0, len(cids), _CHUNK):
-            part = cids[i : i + _CHUNK]
+        for i in range(0, len(values), _CHUNK):
+            part = values[i : i + _CHUNK]
             rows += self.db.execute(sql.format(",".join("?" * len(part))), part).fetchall()
         return rows
 
-    def with_results(self, cids: Sequence[str]) -> set[str]:
-        return {c for (c,) in self._among("SELECT cid FROM results WHERE cid IN ({})", cids)}
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
 
-    def seqs(self, cids: Sequence[str]) -> dict[str, int]:
-        return dict(self._among("SELECT cid, seq FROM prompts WHERE cid IN ({})", cids))
+    # --- enqueue (inside write()) -------------------------------------------------------------------
+    def file_id(self, name: str) -> int:
+        self.db.execute("INSERT OR IGNORE INTO files (name) VALUES (?)", (name,))
+        return self.db.execute("SELECT id FROM files WHERE name = ?", (name,)).fetchone()[0]
+
+    def file_name(self, file_id: int) -> str:
+        row = self.db.execute("SELECT name FROM files WHERE id = ?", (file_id,)).fetchone()
+        return "?" if row is None else row[0]
 
     def max_seq(self) -> int:
-        return self.db.execute("SELECT COALESCE(MAX(seq), -1) FROM prompts").fetchone()[0]
+        return self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM prompts").fetchone()[0]
 
-    def add_prompts(self, rows: Iterable[tuple[str, int, str, str]]) -> None:
-        """(cid, seq, jid, src); an existing cid keeps its row (and its seq)."""
-        self.db.executemany("INSERT OR IGNORE INTO prompts (cid, seq, jid, src) VALUES (?, ?, ?, ?)", rows)
+    def insert_prompts(self, rows: Sequence[tuple[str, int, bytes, int, int, int]]) -> int:
+        """(cid, ep, body, file, line, cost), each a new WAITING prompt unless its cid is known (then
+        nothing changes). Returns how many were inserted."""
+        n = self.db.executemany(_INSERT, rows).rowcount
+        self._tally("waiting", n)
+        return n
 
-    # --- collect -------------------------------------------------------------------------------
-    def upsert_results(self, rows: Iterable[tuple[str, str, int, bytes, float]]) -> None:
-        """(cid, jid, ok, line, finished_at), applied in order, success winning."""
-        self.db.executemany(_UPSERT, rows)
+    def known(self, cids: Sequence[str]) -> dict[str, tuple[int, int, int, int]]:
+        """cid -> (seq, file, line, state) for those of `cids` in the store."""
+        return {c: (s, f, ln, st) for c, s, f, ln, st in
+                self._among("SELECT cid, seq, file, line, state FROM prompts WHERE cid IN ({})", cids)}
 
-    # --- status / export -----------------------------------------------------------------------
-    def counts(self) -> dict[str, int]:
-        prompts = self.db.execute("SELECT COUNT(*) FROM prompts").fetchone()[0]
-        ok, failed = self.db.execute(
-            "SELECT COALESCE(SUM(ok), 0), COALESCE(SUM(1 - ok), 0) FROM results r "
-            "WHERE EXISTS (SELECT 1 FROM prompts p WHERE p.cid = r.cid)"
-        ).fetchone()
-        return {"prompts": prompts, "succeeded": ok, "failed": failed, "pending": prompts - ok - failed}
-
-    def pending(self, limit: int) -> list[str]:
-        """The first `limit` custom_ids (input order) without a result."""
+    # --- feed (inside write()) ----------------------------------------------------------------------
+    def next_to_feed(self, limit: int) -> list[tuple[int, str, str, bytes]]:
+        """(seq, cid, url, body) of up to `limit` WAITING prompts: longest expected work first."""
         rows = self.db.execute(
-            "SELECT cid FROM prompts p WHERE NOT EXISTS (SELECT 1 FROM results r WHERE r.cid = p.cid) "
-            "ORDER BY seq LIMIT ?",
-            (limit,),
-        )
-        return [c for (c,) in rows]
+            "SELECT seq, cid, ep, body FROM prompts WHERE state = 0 ORDER BY cost DESC, seq LIMIT ?", (limit,))
+        return [(seq, cid, ENDPOINTS[ep], body) for seq, cid, ep, body in rows]
+
+    def set_state(self, seqs: Sequence[int], old: State, new: State) -> int:
+        """Move the prompts `seqs` that are in state `old` to `new`; returns how many moved."""
+        n = self.db.executemany("UPDATE prompts SET state = ? WHERE seq = ? AND state = ?",
+                                [(int(new), s, int(old)) for s in seqs]).rowcount
+        self._tally(old.tally, -n)
+        self._tally(new.tally, n)
+        return n
+
+    def fed(self, *, after: int = 0, limit: int = 5000) -> list[tuple[int, str]]:
+        """(seq, cid) of FED prompts with seq > `after`, in seq order (page through them)."""
+        return self.db.execute("SELECT seq, cid FROM prompts WHERE state = 1 AND seq > ? ORDER BY seq LIMIT ?",
+                               (after, limit)).fetchall()
+
+    # --- collect (inside write()) -------------------------------------------------------------------
+    def lookup(self, cids: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """cid -> (seq, state) for those of `cids` that were enqueued."""
+        return {c: (s, st) for c, s, st in self._among("SELECT cid, seq, state FROM prompts WHERE cid IN ({})", cids)}
+
+    def store_results(self, rows: Sequence[tuple[int, int, int, bytes, float]]) -> int:
+        """(seq, state, ok, line, finished_at). Success wins: a failure never replaces a success;
+        otherwise the later result replaces the older. Returns how many prompts got their first result."""
+        best: dict[int, tuple[int, int, bytes, float]] = {}  # seq -> (state, ok, line, finished_at)
+        for seq, state, ok, line, finished_at in rows:
+            have = best.get(seq)
+            if have is None or _wins(ok, finished_at, have[1], have[3]):
+                best[seq] = (state, ok, line, finished_at)
+        if not best:
+            return 0
+        old = {seq: (ok, at) for seq, ok, at in
+               self._among("SELECT seq, ok, finished_at FROM results WHERE seq IN ({})", list(best))}
+        new = [(seq, ok, line, at) for seq, (_, ok, line, at) in best.items() if seq not in old]
+        better = [(ok, line, at, seq) for seq, (_, ok, line, at) in best.items()
+                  if seq in old and _wins(ok, at, *old[seq])]
+        self.db.executemany("INSERT INTO results (seq, ok, line, finished_at) VALUES (?, ?, ?, ?)", new)
+        self.db.executemany("UPDATE results SET ok = ?, line = ?, finished_at = ? WHERE seq = ?", better)
+        self._tally("ok", sum(ok for _, ok, _, _ in new) + sum(ok - old[seq][0] for ok, _, _, seq in better))
+        for state in (State.WAITING, State.FED):
+            self.set_state([seq for seq, *_ in new if best[seq][0] == state], state, State.DONE)
+        return len(new)
+
+    def add_rejected(self, n: int) -> None:
+        if n:
+            self.db.execute("UPDATE meta SET value = CAST(value AS INTEGER) + ? WHERE key = 'rejected_results'", (n,))
+
+    # --- status / export ----------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        t = dict(self.db.execute("SELECT name, n FROM tally").fetchall())
+        prompts = t["waiting"] + t["fed"] + t["done"]
+        return {"prompts": prompts, "succeeded": t["ok"], "failed": t["done"] - t["ok"],
+                "pending": t["waiting"] + t["fed"], "waiting": t["waiting"], "fed": t["fed"]}
+
+    def recount(self) -> dict[str, int]:
+        """The tally recomputed from the rows (slow on a big store): what `counts` must equal."""
+        by_state = dict(self.db.execute("SELECT state, COUNT(*) FROM prompts GROUP BY state").fetchall())
+        ok = self.db.execute("SELECT COUNT(*) FROM results WHERE ok = 1").fetchone()[0]
+        return {"waiting": by_state.get(0, 0), "fed": by_state.get(1, 0), "done": by_state.get(2, 0), "ok": ok}
+
+    def fix_tally(self) -> bool:
+        """Rewrite the tally from the rows (inside write()); True when it had drifted."""
+        real = self.recount()
+        have = dict(self.db.execute("SELECT name, n FROM tally").fetchall())
+        if real == have:
+            return False
+        self.db.executemany("UPDATE tally SET n = ? WHERE name = ?", [(n, k) for k, n in real.items()])
+        return True
+
+    def ever_fed(self) -> bool:
+        """Has any prompt of this store ever been put into Redis?"""
+        t = dict(self.db.execute("SELECT name, n FROM tally WHERE name IN ('fed', 'done')").fetchall())
+        return t["fed"] + t["done"] > 0
+
+    def rejected_results(self) -> int:
+        return int(self.get_meta("rejected_results") or 0)
+
+    def pending_examples(self, n: int) -> list[str]:
+        """Up to `n` custom_ids without a result, those fed first (input order), then waiting ones."""
+        fed = self.db.execute("SELECT cid FROM prompts WHERE state = 1 ORDER BY seq LIMIT ?", (n,)).fetchall()
+        waiting = self.db.execute("SELECT cid FROM prompts WHERE state = 0 ORDER BY cost DESC, seq LIMIT ?",
+                                  (n,)).fetchall()
+        return [c for (c,) in fed + waiting][:n]
 
     def result_lines(self) -> Iterator[bytes]:
         """Every stored result's export line, in input order."""
-        for (line,) in self.db.execute(
-            "SELECT r.line FROM prompts p JOIN results r ON r.cid = p.cid ORDER BY p.seq, p.cid"
-        ):
+        for (line,) in self.db.execute("SELECT line FROM results ORDER BY seq"):
             yield line

@@ -3,7 +3,8 @@
 Enqueues the bundled sample, starts one simulated SGLang server + batchfleet worker per GPU (the
 same `rq worker gpuN` a real host runs), shows the supervisor's view while they work, then stops
 everything, exports the results and prints a summary. Uses the Redis at REDIS_URL when it answers,
-else starts a private redis-server for the duration. Everything it writes goes under var/demo/.
+else starts a private redis-server for the duration. Everything it writes goes under var/demo/ (the
+run's store, `<run>.sqlite`, too; `head.log` is the head process's output).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rich.console import Console
 from rich.live import Live
 
 from batchfleet.keys import Keys
+from producer.store import Store
 from supervisor.fleet import read_fleet
 from supervisor.view import render
 
@@ -102,10 +104,13 @@ def main() -> int:
             log = (workdir / f"worker-gpu{i}.log").open("wb")
             procs.append(subprocess.Popen([str(BIN / "rq"), "worker", f"{run}.gpu{i}"], env=env, stdout=log,
                                           stderr=subprocess.STDOUT))
-        collector = subprocess.Popen([str(BIN / "producer"), "collect", "--follow"], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=(workdir / "collector.log").open("wb"))
-        procs.append(collector)
-        watch(redis.Redis.from_url(url), Keys(run), env["BATCHFLEET_QUEUE_PATTERN"], args.timeout, procs)
+        # the head process: feeds each queue's window from the store, collects results into it
+        head = subprocess.Popen([str(BIN / "producer"), "head"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=(workdir / "head.log").open("wb"))
+        procs.append(head)
+        store = Store.open(workdir / f"{run}.sqlite", run=run, readonly=True)
+        watch(redis.Redis.from_url(url), Keys(run), store, env["BATCHFLEET_QUEUE_PATTERN"], args.timeout, procs)
+        store.close()
         elapsed = time.monotonic() - t0
     finally:
         console.rule("3. stop workers (SIGTERM: finish or hand back in-flight, stop servers)")
@@ -141,23 +146,24 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def watch(r: redis.Redis, k: Keys, pattern: str, timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> None:
-    """The supervisor's view until every accepted prompt has an outcome."""
+def watch(r: redis.Redis, k: Keys, store: Store, pattern: str, timeout_s: float,
+          procs: list[subprocess.Popen[bytes]]) -> None:
+    """The supervisor's view until every prompt in the store has its result there."""
     deadline = time.monotonic() + timeout_s
-    enqueued = int(r.hget(k.stats, "enqueued") or 0)
     tty = console.is_terminal
     last_print = 0.0
     first = render(read_fleet(r, k, queue_pattern=pattern))
     with Live(first, console=console, refresh_per_second=2, transient=False) if tty else _NoLive() as live:
         while time.monotonic() < deadline:
             snap = read_fleet(r, k, queue_pattern=pattern)
-            finished = snap.stats.get("succeeded", 0) + snap.stats.get("failed", 0)
+            with store.read():
+                pending = store.counts()["pending"]
             if tty:
                 live.update(render(snap))
             elif time.monotonic() - last_print > 5:
                 last_print = time.monotonic()
                 console.print(render(snap))
-            if finished >= enqueued:
+            if pending == 0:
                 console.print(render(snap))
                 return
             if all(p.poll() is not None for p in procs[:-1]):

@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, Keys
+from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, STORE_WAITING, Keys
 from batchfleet.records import Event, RecordError, WorkerStatus
 
 __all__ = ["FleetSnapshot", "Freshness", "read_events", "read_fleet", "skip_record"]
@@ -56,7 +56,7 @@ class FleetSnapshot:
         in flight have generated so far, a lower bound (they are not done), so the ETA is one too."""
         done = self.stats.get("succeeded", 0) + self.stats.get("failed", 0)
         tokens = self.stats.get("completion_tokens", 0)
-        remaining = self.total_backlog + self.in_flight
+        remaining = self.total_backlog + self.in_flight + self.stats.get(STORE_WAITING, 0)  # + not yet in Redis
         if remaining == 0:
             return 0.0
         if self.tokens_per_s <= 0:

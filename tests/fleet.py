@@ -75,6 +75,7 @@ class Fleet:
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.gpus = gpus
         self.procs: list[subprocess.Popen[bytes]] = []  # every worker ever started, for kill_all
+        self.head: subprocess.Popen[bytes] | None = None
 
     # --- processes ---------------------------------------------------------------------------------
     def record_path(self, gpu: int) -> Path:
@@ -101,7 +102,31 @@ class Fleet:
     def worker_log(self, gpu: int) -> str:
         return (self.tmp / f"worker-gpu{gpu}.log").read_text(errors="replace")
 
+    def start_head(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """The head process (`producer head`): feeds the window, collects, repairs a Redis that lost data."""
+        log = (self.tmp / "head.log").open("ab")
+        self.head = subprocess.Popen([str(BIN / "producer"), "head", "--interval", "0.5", *extra],
+                                     env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                                     cwd=self.tmp)
+        return self.head
+
+    def head_log(self) -> str:
+        path = self.tmp / "head.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop_head(self, timeout_s: float = 30) -> int | None:
+        if self.head is None:
+            return None
+        if self.head.poll() is None:
+            self.head.send_signal(signal.SIGTERM)
+        try:
+            return self.head.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.head.kill()
+            return None
+
     def stop_all(self, timeout_s: float = 30) -> dict[int, int | None]:
+        """Stop the workers (SIGTERM, then kill after `timeout_s`), then the head; the workers' codes."""
         for p in self.workers.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -112,6 +137,7 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 p.kill()
                 codes[gpu] = None
+        self.stop_head(timeout_s)
         return codes
 
     def kill_all(self) -> None:
@@ -127,9 +153,9 @@ class Fleet:
         out = [Event.from_json(f[b"e"]) for _, f in self.r.xrange(self.k.events)]
         return [e for e in out if kind is None or e.kind == kind]
 
-    def producer(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def producer(self, *args: str, check: bool = True, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
         done = subprocess.run([str(BIN / "producer"), *args], env=self.env, capture_output=True, text=True,
-                              cwd=self.tmp, timeout=120)
+                              cwd=self.tmp, timeout=timeout_s)
         if check and done.returncode not in (0,):
             raise AssertionError(f"producer {args} exited {done.returncode}: {done.stdout}\n{done.stderr}")
         return done
@@ -158,10 +184,13 @@ class Fleet:
         while not cond():
             if time.monotonic() > deadline:
                 logs = "\n".join(f"--- worker gpu{g}\n{self.worker_log(g)[-3000:]}" for g in self.workers)
+                logs += f"\n--- head\n{self.head_log()[-3000:]}"
                 raise AssertionError(f"timed out waiting for {what}; stats={self.stats()}\n{logs}")
             for gpu, p in self.workers.items():
                 if p.poll() is not None and p.returncode not in (0, -9):
                     raise AssertionError(f"worker gpu{gpu} exited {p.returncode}:\n{self.worker_log(gpu)[-3000:]}")
+            if self.head is not None and self.head.poll() not in (None, 0, -9):
+                raise AssertionError(f"the head exited {self.head.returncode}:\n{self.head_log()[-3000:]}")
             time.sleep(0.2)
 
 

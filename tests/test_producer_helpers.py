@@ -1,33 +1,34 @@
-"""Helpers for the producer tests (no tests here): run the CLI in-process, and play a worker that
-finishes a job exactly as the worker contract says (one MULTI: XADD result, SADD done, HINCRBY stats;
-DEL the job on success, RQ's failed registry on failure)."""
+"""Helpers for the producer tests (no tests here): run the CLI in-process, and play a worker with the
+worker's own `Ledger` (claim, finish, hand back: the real Lua bookkeeping), without a server."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import orjson
 import pytest
 import redis
-from rq.job import Job
+import redis.asyncio as aioredis
 
-from batchfleet.keys import FAILURE_TTL_S, Keys
+from batchfleet.keys import Keys
 from batchfleet.records import Prompt, Result
-from batchfleet.serializer import OrjsonSerializer
 from producer.cli import main
+from worker.ledger import Ledger, parse_job_data
 
 RUN = "t"
 Cli = Callable[..., tuple[int, str, str]]
 
 
 def make_cli(redis_url: str, state: Path, monkeypatch: pytest.MonkeyPatch,
-             capsys: pytest.CaptureFixture[str]) -> Cli:
+             capsys: pytest.CaptureFixture[str], *, env: dict[str, str] | None = None) -> Cli:
     for name in list(os.environ):
         if name.startswith("BATCHFLEET_") or name == "REDIS_URL":
             monkeypatch.delenv(name)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
 
     def run(*args: str) -> tuple[int, str, str]:
         rc = main(["--redis-url", redis_url, "--state-dir", str(state), "--run", RUN, *args])
@@ -42,44 +43,52 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
     return path
 
 
-def simple(n: int, prefix: str = "p") -> list[object]:
-    return [{"id": f"{prefix}{i}", "prompt": f"text {i}"} for i in range(n)]
+def simple(n: int, prefix: str = "p", **extra: object) -> list[object]:
+    return [{"id": f"{prefix}{i}", "prompt": f"text {i}", **extra} for i in range(n)]
 
 
-def job_prompt(r: redis.Redis, jid: str) -> tuple[Prompt, str]:
-    job = Job.fetch(jid, connection=r, serializer=OrjsonSerializer)
-    return Prompt.from_dict(job.args[0]), job.origin
+def job_prompt(r: redis.Redis, jid: str) -> Prompt:
+    _, args, _ = parse_job_data(r.hget(Keys.job(jid), "data"))
+    return Prompt.from_dict(args[0])
 
 
-def finish(r: redis.Redis, jid: str, *, ok: bool = True, completion_tokens: int = 10,
-           take: bool = True, prompt: tuple[Prompt, str] | None = None) -> Result:
-    """Play a worker finishing job `jid` for good (success, or a final failure like HTTP 400).
-    `prompt` (from `job_prompt`) stands in for a job hash that a success already deleted."""
-    (p, q), keys = prompt or job_prompt(r, jid), Keys(RUN)
-    if ok:
-        body = {"id": "cmpl-" + p.cid, "choices": [{"text": "ok"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens}}
-        res = Result(cid=p.cid, jid=jid, seq=p.seq, status_code=200, body=body, worker="w0")
-    else:
-        res = Result(cid=p.cid, jid=jid, seq=p.seq, status_code=400,
-                     error={"code": "400", "message": "too long"}, worker="w0")
-    outcome = "succeeded" if ok else "failed"
-    pipe = r.pipeline(transaction=True)
-    if take:
-        pipe.lrem(Keys.queue(q), 0, jid)
-    pipe.xadd(keys.results, {"r": res.to_json()})
-    pipe.sadd(keys.done, jid)
-    pipe.hincrby(keys.stats, outcome, 1)
-    pipe.hincrby(keys.stats, f"{outcome}:{q}", 1)
-    pipe.hincrby(keys.stats, "prompt_tokens", 3)
-    pipe.hincrby(keys.stats, "completion_tokens", completion_tokens if ok else 0)
-    if ok:
-        pipe.delete(Keys.job(jid))
-    else:
-        pipe.zadd(Keys.failed(q), {jid: time.time() + FAILURE_TTL_S})
-        pipe.hset(Keys.job(jid), "status", "failed")
-    pipe.execute()
-    return res
+def work(redis_url: str, queues: list[str], n: int = 10**9, *, fail: Callable[[str], bool] = lambda cid: False,
+         keep: Callable[[str], bool] = lambda cid: True, completion_tokens: int = 10, hold: bool = False,
+         run: str = RUN) -> list[Result]:
+    """Play one worker: claim up to `n` jobs from `queues` with the real Ledger and finish each one whose
+    custom_id `keep` selects (a success, or a final failure like HTTP 400 where `fail` says so); the
+    others are handed back. `hold`: claim and keep everything in flight (never finish, never renew)."""
+
+    async def go() -> list[Result]:
+        client = aioredis.from_url(redis_url)
+        ledger = Ledger(client, Keys(run), worker="w0", lease_ttl_s=600)
+        try:
+            claims = await ledger.claim(n, queues)
+            if hold:
+                return []
+            out, back = [], []
+            for c in claims:
+                _, args, _ = parse_job_data(c.data)
+                p = Prompt.from_dict(args[0])
+                if not keep(p.cid):
+                    back.append(c)
+                    continue
+                if fail(p.cid):
+                    res = Result(cid=p.cid, jid=c.jid, seq=p.seq, status_code=400, worker="w0",
+                                 error={"code": "invalid_prompt", "message": "too long"})
+                else:
+                    res = Result(cid=p.cid, jid=c.jid, seq=p.seq, status_code=200, worker="w0",
+                                 body={"id": "cmpl-" + p.cid, "choices": [{"text": "ok"}],
+                                       "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens}})
+                ledger.finish(c, res, exc_string="invalid_prompt: too long" if fail(p.cid) else "")
+                out.append(res)
+            await ledger.flush()
+            await ledger.hand_back(back)
+            return out
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
 
 
 def queued_ids(r: redis.Redis, *queues: str) -> list[str]:

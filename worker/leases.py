@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis
 
@@ -21,9 +21,11 @@ log = logging.getLogger("batchfleet.worker")
 
 
 class LeaseKeeper:
-    def __init__(self, ledger: Ledger, *, on_lost: Callable[[list[str]], None]) -> None:
+    def __init__(self, ledger: Ledger, *, on_lost: Callable[[list[str]], None],
+                 also: Callable[[], Awaitable[object]] | None = None) -> None:
         self.ledger = ledger
         self.on_lost = on_lost
+        self.also = also  # paced with the leases: the run-marker check (Redis lost the run's data?)
         self.period_s = max(0.5, ledger.lease_ttl_s / 3)
 
     async def beat(self) -> None:
@@ -35,6 +37,8 @@ class LeaseKeeper:
         recovered = await self.ledger.recover_lapsed()
         if recovered:
             log.warning("recovered %d prompt(s) from a worker that stopped renewing its leases", len(recovered))
+        if self.also is not None:
+            await self.also()
 
     async def run(self) -> None:
         while True:

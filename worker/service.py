@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 
 from batchfleet.config import Config
 from batchfleet.keys import Keys
+from batchfleet.marker import MarkerWatch
 from batchfleet.records import Prompt, WorkerStatus
 
 from .clock import Clock
@@ -75,7 +76,8 @@ class GPUService:
                                        rq_heartbeat=rq_heartbeat)
         self.keeper = ServerKeeper(config, self.server, self.dispatcher, self.spec, self.events, gpu=gpu,
                                    publish=self.reporter.publish_now)
-        self.leases = LeaseKeeper(self.ledger, on_lost=self.dispatcher.drop_lost)
+        self._marker = MarkerWatch(self.k, log)  # says so when Redis loses the run's data
+        self.leases = LeaseKeeper(self.ledger, on_lost=self.dispatcher.drop_lost, also=self._check_marker)
         self.stop_requested = asyncio.Event()
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -146,6 +148,10 @@ class GPUService:
         self.stop_requested.set()
 
     # --- wiring ----------------------------------------------------------------------------------------
+    async def _check_marker(self) -> None:
+        busy = bool(self.ledger.held) or self.dispatcher.done + self.dispatcher.failed > 0
+        await self._marker.check(self.r, busy=busy)
+
     def _server_ok(self) -> bool:
         return self.keeper.serving()
 

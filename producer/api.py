@@ -1,0 +1,60 @@
+"""The producer's steps as functions, for the CLI, benchmarks and tests (which need no subprocess)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from batchfleet.config import DEFAULT_QUEUE, Config
+from batchfleet.keys import Keys
+
+from .enqueue import EnqueueSummary, enqueue_file
+from .feed import FeedSummary, feed_pass, read_fleet_view
+from .locate import Located, Mode, ensure_marker, locate
+from .recover import recover
+from .store import Store
+
+__all__ = ["Enqueued", "enqueue", "repair_if_lost"]
+
+
+@dataclass
+class Enqueued:
+    store: Store  # open: the caller closes it
+    summary: EnqueueSummary
+    fed: FeedSummary
+    waiting: int  # prompts left in the store for the head to feed
+
+
+def repair_if_lost(config: Config, r: redis.Redis, loc: Located) -> None:
+    """A writing command found the run's Redis data lost: requeue what was lost before the marker is
+    written again (the marker says all is well)."""
+    if loc.lost:
+        s = recover(r, loc.store, Keys(config.run))
+        print(f"producer: Redis lost the data of run {config.run} (no marker {Keys(config.run).meta}): requeued "
+              f"{s.requeued:,} prompt(s) from the store ({s.lost:,} lost, {s.foreign:,} failed by a foreign "
+              f"worker; {s.in_redis:,} still in Redis)", file=sys.stderr)
+
+
+def enqueue(config: Config, r: redis.Redis, path: str | Path, *, queues: tuple[str, ...] = (),
+            explicit: bool = True, defaults: dict[str, Any] | None = None, model: str = "default",
+            rejects_path: Path | None = None, progress: bool = False) -> Enqueued:
+    """`producer enqueue`: the file into the run's store, the run marker, one feed pass."""
+    loc = locate(config, r, explicit=explicit, mode=Mode.CREATE)
+    try:
+        repair_if_lost(config, r, loc)
+        if not queues and not (loc.marker and loc.marker.queues) and not read_fleet_view(r, Keys(config.run)).capacity:
+            queues = (DEFAULT_QUEUE,)  # nothing given and no worker yet: where `rq worker gpu0` looks
+        marker = ensure_marker(r, config, loc.store, queues=queues)
+        s = enqueue_file(loc.store, str(path), defaults=defaults or {}, model=model, rejects_path=rejects_path,
+                         progress=progress)
+        fed = feed_pass(config, r, loc.store, marker.queues)
+        with loc.store.read():
+            waiting = loc.store.counts()["waiting"]
+    except BaseException:
+        loc.store.close()
+        raise
+    return Enqueued(loc.store, s, fed, waiting)

@@ -1,0 +1,189 @@
+"""The window Redis holds, and the feed pass that tops it up from the store.
+
+Per queue the head keeps `window_target` prompts waiting in Redis:
+
+    max(2 x effective capacity of the live workers serving it, window_s x its measured drain rate)
+
+capped at `window_max`; `window_default` while nothing is known (no live worker on it, nothing drained
+yet). The drain rate is measured from the run's counters (`succeeded:<q>` + `failed:<q>`: a prompt
+stolen by another GPU's worker still counts for the queue it came from), so it is the rate that
+empties that queue. The queues fed are those live workers serve (their status records carry `queue`)
+plus those given for the run (the marker's `queues`).
+
+A feed pass takes the WAITING prompts with the longest expected work first (max_tokens desc, then
+input order: the long generations start early and do not straggle at the end of the run), deals them
+over the queues that are short, and in one store transaction per batch writes their RQ jobs
+(`lua.FEED_LUA`) and marks them FED. A crash between the two leaves jobs in Redis whose prompts are
+still WAITING: the next pass finds the jobs present and only marks them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import orjson
+import redis
+
+from batchfleet.config import Config
+from batchfleet.jobs import GENERATE
+from batchfleet.keys import RQ_QUEUES, STATUS_TTL_S, Keys, valid_queue_name
+from batchfleet.records import MAX_RUNNING_RANGE, RecordError, WorkerStatus, job_id_for
+
+from .lua import FEED_LUA
+from .store import State, Store
+
+__all__ = ["DrainMeter", "FeedSummary", "Feeder", "FleetView", "feed_pass", "read_fleet_view", "window_target"]
+
+FEED_BATCH = 2000  # prompts per store transaction and Lua call
+
+
+@dataclass
+class FleetView:
+    """What the run's fresh worker status records say (validated: they are data from Redis)."""
+
+    capacity: dict[str, int] = field(default_factory=dict)  # queue -> summed effective capacity
+    fresh: int = 0
+    known: int = 0
+    tokens_per_s: float = 0.0
+
+
+def read_fleet_view(r: redis.Redis, keys: Keys, *, now: float | None = None) -> FleetView:
+    now = time.time() if now is None else now
+    names = sorted(n.decode(errors="replace") for n in r.smembers(keys.workers))
+    view = FleetView(known=len(names))
+    for raw in r.mget([keys.status(n) for n in names]) if names else []:
+        if raw is None:
+            continue
+        try:
+            ws = WorkerStatus.from_json(raw)
+        except RecordError:
+            continue
+        if now - ws.ts > STATUS_TTL_S or not valid_queue_name(ws.queue):
+            continue
+        view.fresh += 1
+        view.tokens_per_s += max(0.0, min(ws.tokens_per_s, 1e7))
+        cap = max(0, min(ws.effective_max, MAX_RUNNING_RANGE[1]))
+        view.capacity[ws.queue] = view.capacity.get(ws.queue, 0) + cap
+    return view
+
+
+class DrainMeter:
+    """Prompts finished per second per queue over the last `span_s`, from the run's counters."""
+
+    def __init__(self, span_s: float = 30.0) -> None:
+        self.span_s = span_s
+        self.samples: dict[str, deque[tuple[float, int]]] = {}
+
+    def update(self, stats: dict[str, int], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        finished: dict[str, int] = {}
+        for name, value in stats.items():
+            kind, _, q = name.partition(":")
+            if kind in ("succeeded", "failed") and q:
+                finished[q] = finished.get(q, 0) + value
+        for q, n in finished.items():
+            dq = self.samples.setdefault(q, deque())
+            if dq and n < dq[-1][1]:
+                dq.clear()  # the counter went back: Redis lost its data; measure afresh
+            dq.append((now, n))
+            while len(dq) > 2 and dq[0][0] < now - self.span_s:
+                dq.popleft()
+
+    def rate(self, queue: str) -> float:
+        dq = self.samples.get(queue)
+        if not dq or len(dq) < 2 or dq[-1][0] <= dq[0][0]:
+            return 0.0
+        return (dq[-1][1] - dq[0][1]) / (dq[-1][0] - dq[0][0])
+
+
+def window_target(config: Config, capacity: int, rate: float) -> int:
+    """How many prompts one queue should hold in Redis."""
+    if capacity <= 0 and rate <= 0:
+        return config.window_default
+    return max(1, min(config.window_max, max(2 * capacity, math.ceil(config.window_s * rate))))
+
+
+@dataclass
+class FeedSummary:
+    fed: dict[str, int] = field(default_factory=dict)  # new jobs per queue
+    present: int = 0  # already in Redis (marked FED without a new job)
+
+    @property
+    def total(self) -> int:
+        return sum(self.fed.values())
+
+
+class Feeder:
+    """Moves WAITING prompts from the store into RQ jobs."""
+
+    def __init__(self, config: Config, r: redis.Redis, store: Store) -> None:
+        self.config = config
+        self.r = r
+        self.store = store
+        self.keys = Keys(config.run)
+        self.script = r.register_script(FEED_LUA)
+
+    def targets(self, queues: list[str], capacity: dict[str, int], meter: DrainMeter | None) -> dict[str, int]:
+        return {q: window_target(self.config, capacity.get(q, 0), meter.rate(q) if meter else 0.0) for q in queues}
+
+    def top_up(self, targets: dict[str, int]) -> FeedSummary:
+        """Feed each queue up to its target (what it holds now counts)."""
+        if not targets:
+            return FeedSummary()
+        queues = list(targets)
+        pipe = self.r.pipeline(transaction=False)
+        for q in queues:
+            pipe.llen(Keys.queue(q))
+        lengths = pipe.execute()
+        return self.feed({q: max(0, targets[q] - n) for q, n in zip(queues, lengths, strict=True)})
+
+    def feed(self, deficits: dict[str, int]) -> FeedSummary:
+        """Feed up to `deficits[q]` prompts to each queue q, longest expected work first."""
+        out = FeedSummary(fed={q: 0 for q in deficits})
+        left = {q: n for q, n in deficits.items() if n > 0}
+        while left:
+            with self.store.write():
+                rows = self.store.next_to_feed(min(FEED_BATCH, sum(left.values())))
+                if not rows:
+                    return out
+                groups: dict[str, list[tuple[int, str, str, bytes]]] = {q: [] for q in left}
+                order, i = list(left), 0
+                for row in rows:
+                    while left[order[i % len(order)]] == 0:
+                        i += 1
+                    q = order[i % len(order)]
+                    groups[q].append(row)
+                    left[q] -= 1
+                    i += 1
+                groups = {q: g for q, g in groups.items() if g}
+                _, present, per_queue = self._write_jobs(groups)
+                self.store.set_state([row[0] for g in groups.values() for row in g], State.WAITING, State.FED)
+            out.present += present
+            for q, n in zip(groups, per_queue, strict=True):
+                out.fed[q] += n
+            left = {q: n for q, n in left.items() if n > 0}
+        return out
+
+    def _write_jobs(self, groups: dict[str, list[tuple[int, str, str, bytes]]]) -> tuple[int, int, list[int]]:
+        k, run = self.keys, self.config.run
+        keys: list[str] = [k.done, k.stats, RQ_QUEUES, *(Keys.queue(q) for q in groups)]
+        args: list[object] = [len(groups), len(Keys.job("")), *groups, *(len(g) for g in groups.values())]
+        for g in groups.values():
+            for seq, cid, url, body in g:
+                keys.append(Keys.job(job_id_for(run, cid)))
+                # a records.Prompt as a dict (`Prompt.to_dict`), the body spliced in as stored
+                args.append(orjson.dumps([GENERATE, None, [{"cid": cid, "seq": seq, "url": url,
+                                                            "body": orjson.Fragment(body), "run": run}], {}]))
+        added, present, *per_queue = self.script(keys=keys, args=args)
+        return int(added), int(present), [int(n) for n in per_queue]
+
+
+def feed_pass(config: Config, r: redis.Redis, store: Store, queues: tuple[str, ...]) -> FeedSummary:
+    """One top-up of the given queues and those live workers serve (no drain rate known yet: the window
+    is 2 x capacity, or window_default) — what `enqueue` and `recover` do before the head takes over."""
+    view = read_fleet_view(r, Keys(config.run))
+    feeder = Feeder(config, r, store)
+    return feeder.top_up(feeder.targets(list(dict.fromkeys((*queues, *view.capacity))), view.capacity, None))

@@ -1,0 +1,200 @@
+"""The head process (`producer head`, alias `producer collect --follow`): one per run, on the host of
+the run's store. Every `interval_s` it
+
+  1. checks the run marker: gone while the store has fed prompts = Redis lost the run's data; it
+     requeues the lost prompts from the store (`recover`), restores the marker, and says so in one line;
+  2. collects finished results into the store;
+  3. every `audit_s`, audits the fed prompts: ones that are nowhere in Redis are requeued; ones failed by
+     a foreign (stock RQ) worker are reported with the repair command, not requeued (that worker would
+     eat them again);
+  4. tops each queue up to its window from the store (`feed`), longest expected work first, and
+     publishes how many prompts still wait in the store (`stats` field `store_waiting`).
+
+It rides out Redis outages: one warning line when Redis is lost, one when it is back, and it keeps
+looping (never exits non-zero on a blip: under honcho an exit stops the whole host). If the head
+dies, workers finish the window and idle; a restart resumes where the store says.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import sys
+import threading
+import time
+import traceback
+from typing import TextIO
+
+import redis
+
+from batchfleet.config import Config
+from batchfleet.connection import connect, redacted
+from batchfleet.errors import RecordError
+from batchfleet.keys import STORE_WAITING, Keys
+from batchfleet.marker import RunMarker, read_marker, repair_command
+
+from .collect import CollectSummary, collect_once
+from .feed import DrainMeter, Feeder, read_fleet_view
+from .locate import Mode, NoStore, ensure_marker, locate
+from .recover import audit, recover
+from .store import Store, StoreError
+
+__all__ = ["Head"]
+
+
+class Head:
+    def __init__(self, config: Config, *, explicit: bool, interval_s: float = 2.0, audit_s: float = 30.0,
+                 log: TextIO | None = None, r: redis.Redis | None = None) -> None:
+        self.config = config
+        self.explicit = explicit
+        self.interval_s = interval_s
+        self.audit_s = audit_s
+        self.log = log or sys.stderr
+        self.r = r or connect(config.redis_url)
+        self.keys = Keys(config.run)
+        self.store: Store | None = None
+        self.marker: RunMarker | None = None
+        self.feeder: Feeder | None = None
+        self.meter = DrainMeter()
+        self.total = CollectSummary()
+        self.fed_total = 0
+        self.redis_down_since: float | None = None
+        self.waiting_said = False
+        self.next_audit = 0.0
+        self.said_foreign = 0
+        self.said_errors: set[str] = set()
+        self.stop = threading.Event()
+
+    def say(self, text: str) -> None:
+        print(f"head: {text}", file=self.log, flush=True)
+
+    # --- the loop -----------------------------------------------------------------------------------
+    def run(self, *, until: float | None = None) -> int:
+        """Loop until SIGINT/SIGTERM (or `until`, a monotonic deadline, for tests). Exit code: 0, or 2
+        when the store is refused (another host's, another id)."""
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            old = {s: signal.signal(s, lambda *_: self.stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not self.stop.is_set() and (until is None or time.monotonic() < until):
+                try:
+                    if self.redis_down_since is not None:
+                        self.r.ping()
+                        self.say(f"Redis is back after {time.monotonic() - self.redis_down_since:.0f} s; carrying on")
+                        self.redis_down_since = None
+                    self.step()
+                except (redis.RedisError, OSError) as exc:
+                    if self.redis_down_since is None:
+                        self.redis_down_since = time.monotonic()
+                        self.say(f"lost Redis at {redacted(self.config.redis_url)} ({type(exc).__name__}: {exc}); "
+                                 "retrying every few seconds, workers keep their prompts")
+                except sqlite3.OperationalError as exc:  # e.g. the store locked by a long enqueue: next pass
+                    self.say(f"store busy ({exc}); retrying")
+                except StoreError as exc:
+                    self.say(f"refusing to run: {exc}")
+                    return 2
+                except Exception as exc:  # a bug must not stop the host (under honcho an exit stops all)
+                    key = f"{type(exc).__name__}: {exc}"
+                    if key not in self.said_errors:
+                        self.said_errors.add(key)
+                        self.say(f"unexpected error, carrying on: {key}\n{traceback.format_exc()}")
+                self.stop.wait(self.interval_s)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            if self.store is not None:
+                self.store.close()
+        self.say(f"stopped: collected {self.total.succeeded:,} succeeded, {self.total.failed:,} failed; "
+                 f"fed {self.fed_total:,}")
+        return 0
+
+    def step(self) -> None:
+        if self.store is None and not self._open():
+            return
+        assert self.store is not None and self.feeder is not None
+        self._check_marker()
+        got = collect_once(self.r, self.store, self.keys, log=self.log)
+        self.total.add(got)
+        stats = {k.decode(errors="replace"): int(float(v)) for k, v in self.r.hgetall(self.keys.stats).items()
+                 if _is_num(v)}
+        self.meter.update(stats)
+        if time.monotonic() >= self.next_audit:
+            self.next_audit = time.monotonic() + self.audit_s
+            self._audit()
+        view = read_fleet_view(self.r, self.keys)
+        queues = list(dict.fromkeys((*(self.marker.queues if self.marker else ()), *view.capacity)))
+        fed = self.feeder.top_up(self.feeder.targets(queues, view.capacity, self.meter))
+        self.fed_total += fed.total
+        with self.store.read():
+            counts = self.store.counts()
+        self.r.hset(self.keys.stats, STORE_WAITING, counts["waiting"])
+        if got.stored or fed.total:
+            per_queue = ", ".join(f"{q} {n:,}" for q, n in fed.fed.items() if n)
+            self.say(f"+{got.succeeded:,} ok, +{got.failed:,} failed (total {self.total.succeeded:,} ok, "
+                     f"{self.total.failed:,} failed); fed {fed.total:,}{' (' + per_queue + ')' if per_queue else ''}; "
+                     f"{counts['waiting']:,} waiting in the store, {counts['pending']:,} pending")
+
+    def _open(self) -> bool:
+        try:
+            loc = locate(self.config, self.r, explicit=self.explicit, mode=Mode.WRITE)
+        except NoStore as exc:
+            if not self.waiting_said:
+                self.waiting_said = True
+                self.say(f"waiting for `producer enqueue`: {exc}")
+            return False
+        if loc.redis_error is not None:
+            loc.store.close()
+            raise redis.ConnectionError(loc.redis_error)
+        self.store, self.marker = loc.store, loc.marker
+        self.feeder = Feeder(self.config, self.r, loc.store)
+        self.say(f"run {self.config.run}: store {loc.store.path} ({loc.store.id}); "
+                 f"Redis {redacted(self.config.redis_url)}")
+        return True
+
+    def _check_marker(self) -> None:
+        assert self.store is not None
+        try:
+            marker = read_marker(self.r, self.keys)
+        except RecordError as exc:  # data from Redis: rewrite it from the store, never exit on it
+            self.say(f"WARNING: {exc}; rewriting the run marker from the store")
+            self.r.delete(self.keys.meta)
+            self.marker = ensure_marker(self.r, self.config, self.store)
+            return
+        if marker is not None and marker.store_id != self.store.id:
+            raise StoreError(f"the run marker in Redis now names store {marker.store_id} at {marker.where}, "
+                             f"not this head's {self.store.path} ({self.store.id})")
+        if marker is None:
+            if self.store.ever_fed():
+                s = recover(self.r, self.store, self.keys)
+                self.meter = DrainMeter()
+                self.say(f"WARNING: Redis lost the data of run {self.config.run} (its marker {self.keys.meta} was "
+                         f"gone: restarted without persistence, or a failover): requeued {s.requeued:,} prompt(s) "
+                         f"from the store ({s.lost:,} lost, {s.foreign:,} failed by a foreign worker; "
+                         f"{s.in_redis:,} were still in Redis) — what "
+                         f"`{repair_command(self.config.run, str(self.store.path.parent))}` does; marker restored")
+            marker = ensure_marker(self.r, self.config, self.store)
+        self.marker = marker
+
+    def _audit(self) -> None:
+        assert self.store is not None
+        a = audit(self.r, self.store, self.keys)
+        if a.lost:
+            s = recover(self.r, self.store, self.keys, foreign=False, found=a)
+            if s.lost:
+                self.say(f"WARNING: {s.lost:,} fed prompt(s) were nowhere in Redis (deleted, or Redis lost "
+                         "writes); requeued them from the store")
+        n = a.counts["failed_foreign"]
+        if n and n != self.said_foreign:
+            where = "; ".join(f"{f['count']} on {f['queue']} by {f['worker']}" for f in a.foreign_by_worker(self.r))
+            self.say(f"WARNING: {n:,} prompt(s) were failed by a worker that is not batchfleet's ({where}): start "
+                     "workers with RQ_WORKER_CLASS=worker.GPUWorker, stop that one, then requeue them: "
+                     f"{repair_command(self.config.run, str(self.store.path.parent))}")
+        self.said_foreign = n
+
+
+def _is_num(v: bytes) -> bool:
+    try:
+        float(v)
+    except ValueError:
+        return False
+    return True

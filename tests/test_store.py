@@ -1,0 +1,114 @@
+"""The run's store on its own (no Redis): layout, idempotence, feed order, states and their tally,
+success-wins results, read-only opening."""
+
+from __future__ import annotations
+
+import sqlite3
+import stat
+from pathlib import Path
+
+import orjson
+import pytest
+
+from producer.enqueue import cost_of
+from producer.store import UNBOUNDED_COST, MissingStore, State, Store, StoreError
+
+
+def rows(n: int, *, start: int = 0, file_id: int = 1) -> list[tuple[str, int, bytes, int, int, int]]:
+    return [(f"c{i}", 1, orjson.dumps({"prompt": f"p{i}", "max_tokens": 16 * (i % 3 + 1)}), file_id, i + 1,
+             16 * (i % 3 + 1)) for i in range(start, start + n)]
+
+
+def check_tally(store: Store) -> None:
+    t = store.recount()
+    c = store.counts()
+    assert (c["waiting"], c["fed"], c["succeeded"], c["succeeded"] + c["failed"]) == (
+        t["waiting"], t["fed"], t["ok"], t["done"])
+
+
+def test_a_new_store_is_private_and_keeps_its_identity(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "r.sqlite"
+    s = Store.create_or_open(path, run="r")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    sid = s.id
+    s.close()
+    again = Store.create_or_open(path, run="r")
+    assert again.id == sid and again.path == path.absolute()
+    again.close()
+    with pytest.raises(StoreError, match="store of run 'r', not 'other'"):
+        Store.open(path, run="other")
+
+
+def test_opening_never_creates(tmp_path: Path) -> None:
+    with pytest.raises(MissingStore):
+        Store.open(tmp_path / "nowhere" / "r.sqlite", run="r", readonly=True)
+    assert list(tmp_path.iterdir()) == []
+    Store.create_or_open(tmp_path / "r.sqlite", run="r").close()
+    ro = Store.open(tmp_path / "r.sqlite", run="r", readonly=True)
+    with pytest.raises(sqlite3.OperationalError, match="readonly"), ro.write():
+        ro.insert_prompts(rows(1))
+    ro.close()
+
+
+def test_an_old_layout_is_refused(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "r.sqlite")
+    db.execute("CREATE TABLE prompts (cid TEXT PRIMARY KEY, seq INTEGER, jid TEXT, src TEXT)")
+    db.close()
+    with pytest.raises(StoreError, match="not a batchfleet store of this version"):
+        Store.open(tmp_path / "r.sqlite", run="r")
+
+
+def test_insert_is_idempotent_by_custom_id_and_keeps_input_order(tmp_path: Path) -> None:
+    s = Store.create_or_open(tmp_path / "r.sqlite", run="r")
+    with s.write():
+        assert s.insert_prompts(rows(10)) == 10
+        assert s.insert_prompts(rows(10)) == 0  # the same custom_ids again: nothing changes
+        assert s.insert_prompts(rows(5, start=8)) == 3
+    assert s.counts() == {"prompts": 13, "succeeded": 0, "failed": 0, "pending": 13, "waiting": 13, "fed": 0}
+    assert s.known(["c0", "c12", "zz"]) == {"c0": (1, 1, 1, 0), "c12": (13, 1, 13, 0)}
+    check_tally(s)
+
+
+def test_feed_order_is_longest_first_then_input_order(tmp_path: Path) -> None:
+    s = Store.create_or_open(tmp_path / "r.sqlite", run="r")
+    with s.write():
+        s.insert_prompts(rows(9))
+        first = s.next_to_feed(4)
+        assert [cid for _, cid, _, _ in first] == ["c2", "c5", "c8", "c1"]  # max_tokens 48, 48, 48, then 32
+        assert first[0][2] == "/v1/completions" and orjson.loads(first[0][3]) == {"prompt": "p2", "max_tokens": 48}
+        assert s.set_state([seq for seq, *_ in first], State.WAITING, State.FED) == 4
+        assert [cid for _, cid, _, _ in s.next_to_feed(3)] == ["c4", "c7", "c0"]
+        assert s.set_state([3], State.WAITING, State.FED) == 0  # c2 is FED already: not moved twice
+    assert [cid for _, cid in s.fed()] == ["c1", "c2", "c5", "c8"]
+    assert [cid for _, cid in s.fed(after=3, limit=2)] == ["c5", "c8"]
+    check_tally(s)
+
+
+def test_results_success_wins_and_export_keeps_input_order(tmp_path: Path) -> None:
+    s = Store.create_or_open(tmp_path / "r.sqlite", run="r")
+    with s.write():
+        s.insert_prompts(rows(3))
+        s.set_state([1, 2, 3], State.WAITING, State.FED)
+        assert s.store_results([(3, State.FED, 1, b'"c2 ok"', 10.0), (1, State.FED, 0, b'"c0 failed"', 11.0)]) == 2
+        # c0 is retried (`rq requeue`) and succeeds; then a stray late failure of c2 arrives
+        assert s.store_results([(1, State.DONE, 1, b'"c0 ok"', 12.0), (3, State.DONE, 0, b'"c2 late"', 13.0)]) == 0
+    assert list(s.result_lines()) == [b'"c0 ok"', b'"c2 ok"']
+    assert s.counts() == {"prompts": 3, "succeeded": 2, "failed": 0, "pending": 1, "waiting": 0, "fed": 1}
+    assert s.pending_examples(5) == ["c1"]
+    assert not s.fix_tally()
+    check_tally(s)
+
+
+def test_a_drifted_tally_is_repaired(tmp_path: Path) -> None:
+    s = Store.create_or_open(tmp_path / "r.sqlite", run="r")
+    with s.write():
+        s.insert_prompts(rows(4))
+        s.db.execute("UPDATE tally SET n = 99 WHERE name = 'waiting'")
+        assert s.fix_tally()
+    assert s.counts()["waiting"] == 4
+
+
+def test_expected_cost() -> None:
+    assert cost_of({"max_tokens": 64}) == 64
+    assert cost_of({"max_completion_tokens": 7}) == 7
+    assert cost_of({"prompt": "x"}) == UNBOUNDED_COST

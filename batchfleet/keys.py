@@ -18,7 +18,7 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | bf:<run>:done | set | worker/collector | job ids whose result is in the stream but not yet collected |
 | bf:<run>:results | stream | worker | result records on their way to the collector (bounded by it) |
 | bf:<run>:meta | hash | producer | the run marker: the run's store (host, path, id), created, queues (*) |
-| bf:<run>:stats | hash | all | counters: enqueued, succeeded, failed, handed_back, recovered, refused, ...; `store_waiting` (**) |
+| bf:<run>:stats | hash | all | counters (below); `store_waiting` (**) |
 | bf:<run>:workers | set | worker | names of workers that published a status record |
 | bf:<run>:status:<worker> | string | worker | the worker's latest status record (expires) |
 | bf:<run>:events | stream | supervisor/worker | `Event`s (field `e`): decisions and restarts (capped) |

@@ -97,6 +97,7 @@ def test_a_poison_prompt_is_quarantined_after_three_server_deaths_and_no_bystand
     # After the quarantine: a second batch runs on every GPU at full capacity, with no death.
     more_rows = write_prompts(tmp_path / "more.jsonl", more, max_tokens=48, start=n)
     fleet.producer("enqueue", "more.jsonl", "--queues", fleet.queues)
+    fleet.start_head()  # enqueue feeds one window; the head feeds the rest (the Procfile's collector)
     marks["second_batch"] = (time.monotonic() - t0, n)
     fleet.wait_for(reached(n + more), 120, "the second batch")
     marks["all_done"] = (time.monotonic() - t0, n + more)

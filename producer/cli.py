@@ -9,7 +9,6 @@ override them.
 from __future__ import annotations
 
 import argparse
-import re
 import sqlite3
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from .collect import collect_once, follow
 from .enqueue import enqueue_file
 from .export import export
 from .parse import Reject, check_sampling, parse_param
+from .queues import resolve_queues
 from .status import format_status, gather_status
 from .store import Store
 
@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("enqueue", help="validate a JSONL file and enqueue one job per prompt")
     e.add_argument("file", help="JSONL input ('-' for stdin)")
-    e.add_argument("--queues", help="comma-separated queues to spread over (default: BATCHFLEET_QUEUES)")
+    e.add_argument("--queues", help="queues to spread over: names, `hosta.gpu[0-7]` ranges, or `live` (the live "
+                   "workers' queues), comma-separated (default: BATCHFLEET_QUEUES)")
     e.add_argument("--max-tokens", type=int)
     e.add_argument("--temperature", type=float)
     e.add_argument("--top-p", type=float)
@@ -84,16 +85,6 @@ def _defaults(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _queues(text: str | None, config: Config) -> tuple[str, ...]:
-    if text is None:
-        return config.queues
-    queues = tuple(q.strip() for q in text.split(",") if q.strip())
-    bad = [q for q in queues if not re.fullmatch(r"[A-Za-z0-9_.-]+", q)]
-    if not queues or bad:
-        raise UsageError(f"--queues wants names like gpu0,gpu1, got {text!r}")
-    return tuple(dict.fromkeys(queues))
-
-
 def _run(args: argparse.Namespace, config: Config) -> int:
     r = connect(config.redis_url)
     r.ping()
@@ -120,7 +111,8 @@ def _run(args: argparse.Namespace, config: Config) -> int:
 
 
 def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, store: Store) -> int:
-    defaults, queues = _defaults(args), _queues(args.queues, config)
+    defaults = _defaults(args)
+    queues = resolve_queues(args.queues if args.queues is not None else ",".join(config.queues), r, Keys(config.run))
     if args.file != "-" and not Path(args.file).is_file():
         raise UsageError(f"{args.file}: no such file")
     s = enqueue_file(config, r, store, args.file, queues=queues, defaults=defaults,

@@ -1,0 +1,144 @@
+"""A fleet across hosts, for real: each host its own network namespace, hostname, state dir and
+simulated GPUs (tests/hosts.py); Redis, the producer, the collector and the supervisor on the head
+(the root namespace). Every test asserts exact counts: results == prompts, 0 duplicated, 0 lost."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from .fleet import expected_text, text_of, write_prompts
+from .hosts import Lan
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def lan(tmp_path: Path) -> Iterator[Lan]:
+    net = Lan(tmp_path, run=f"mh{secrets.token_hex(3)}")
+    try:
+        yield net
+    finally:
+        net.close()
+
+
+def export_lines(lan: Lan, *args: str) -> list[dict]:
+    out = lan.tmp / "head" / "results.jsonl"
+    lan.producer("export", str(out), *args)
+    return [orjson.loads(x) for x in out.read_bytes().splitlines()]
+
+
+def assert_exact(lan: Lan, rows: list[dict], lines: list[dict]) -> None:
+    """One export line per prompt, each the answer the simulator gives that prompt; one result ever
+    published per prompt (the workers' counter); nothing left in Redis."""
+    ids = [x["custom_id"] for x in lines]
+    assert len(ids) == len(set(ids)) == len(rows), "duplicated or lost prompts in the export"
+    assert ids == [r["id"] for r in rows]  # input order
+    for row, line in zip(rows, lines, strict=True):
+        assert line["error"] is None, line
+        assert text_of(line["response"]["body"]) == expected_text(row)
+    stats = lan.stats()
+    assert stats["succeeded"] == len(rows) and stats.get("failed", 0) == 0, stats
+    assert lan.r.zcard(lan.k.leases) == 0 and lan.r.xlen(lan.k.results) == 0
+
+
+def test_run_across_two_hosts(lan):
+    hosts = [lan.add_host("hosta"), lan.add_host("hostb")]
+    for h in hosts:
+        for gpu in (0, 1):
+            h.start_worker(gpu)
+    queues = ["hosta.gpu0", "hosta.gpu1", "hostb.gpu0", "hostb.gpu1"]
+    lan.wait_for(lambda: sorted(lan.serving()) == queues, 90, "4 workers serving on 2 hosts")
+    lan.start_collector()
+    lan.start_supervisor("--dry-run", "--window", "2", "--sample", "0.5")
+
+    rows = write_prompts(lan.tmp / "head" / "prompts.jsonl", 400)
+    enq = lan.producer("enqueue", "prompts.jsonl", "--queues", "live")
+    assert "queues: hosta.gpu0 100, hosta.gpu1 100, hostb.gpu0 100, hostb.gpu1 100" in enq.stdout
+    lan.wait_for(lambda: lan.finished() >= 400, 180, "400 prompts")
+
+    # Each host ran its own GPUs 0 and 1 on the same ports, under its own hostname.
+    statuses = lan.serving()
+    for h in hosts:
+        for gpu in (0, 1):
+            s = statuses[h.queue(gpu)]
+            assert (s.host, s.gpu, s.server_url) == (h.name, gpu, f"http://127.0.0.1:{30000 + gpu}")
+            assert s.worker.startswith(f"{h.queue(gpu)}.")  # host.gpuN.pid: the host is not repeated
+            rec = h.sim_record(gpu)
+            assert rec["flags"]["port"] == 30000 + gpu and rec["gpu_index"] == gpu
+            assert h.served(gpu) > 0, f"{h.queue(gpu)} took no work"
+    assert sum(h.served(g) for h in hosts for g in (0, 1)) == 400  # every prompt ran once
+
+    # The supervisor on the head saw every host's GPUs in one view.
+    samples = [orjson.loads(f[b"s"]) for _, f in lan.r.xrange(lan.k.history)]
+    assert any({w.rsplit(".", 1)[0] for w in s["gpus"]} == set(queues) for s in samples)
+
+    assert lan.stop_head()["collector"] == 0
+    codes = {q: c for h in hosts for q, c in h.stop_all().items()}
+    assert set(codes.values()) == {0}, codes
+    assert_exact(lan, rows, export_lines(lan))
+
+
+def held_by(lan: Lan, host: str) -> set[str]:
+    """Job ids whose lease a worker of `host` holds now (RQ's job hash names the worker)."""
+    jids = {m.decode().rsplit(":", 1)[0] for m in lan.r.zrange(lan.k.leases, 0, -1)}
+    return {j for j in jids if (lan.r.hget(f"rq:job:{j}", "worker_name") or b"").decode().startswith(host + ".")}
+
+
+def dropped_late(logs: str) -> int:
+    """Finished prompts a worker says Redis refused because their lease had lapsed (its own log line)."""
+    return sum(int(m) for m in re.findall(r"(\d+) finished prompt\(s\) were already recovered by another worker", logs))
+
+
+def test_partitioned_host_loses_its_prompts_to_the_others_and_rejoins(lan):
+    a, b = lan.add_host("hosta"), lan.add_host("hostb")
+    hosts = (a, b)
+    for h in hosts:
+        for gpu in (0, 1):
+            h.start_worker(gpu)
+    lan.wait_for(lambda: len(lan.serving()) == 4, 90, "4 workers serving")
+    lan.start_collector()
+    rows = write_prompts(lan.tmp / "head" / "prompts.jsonl", 300, max_tokens=200)
+    lan.producer("enqueue", "prompts.jsonl", "--queues", "live")
+    lan.wait_for(lambda: all(lan.serving()[a.queue(g)].in_flight >= 5 for g in (0, 1)), 60, "hosta busy")
+
+    # 60 s of silence: hosta's packets vanish (no "no route to host" to tell its workers).
+    a.link_down(silent=True)
+    down_at = time.monotonic()
+    time.sleep(0.5)  # what was on the wire has landed; nothing of hosta's reaches Redis after this
+    held = held_by(lan, "hosta")
+    assert len(held) >= 10
+    # The other host puts hosta's prompts back within the lease (15 s, checked every 5 s) and runs them.
+    recovered_s = lan.wait_for(lambda: lan.stats().get("recovered", 0) >= len(held), 30,
+                               "hostb to recover hosta's prompts")
+    lan.wait_for(lambda: lan.finished() >= 300, 120, "hostb to finish the run alone")
+    assert lan.stats()["recovered"] == len(held)  # only the partitioned host's leases lapsed
+    time.sleep(max(0.0, 60 - (time.monotonic() - down_at)))
+    a.link_up()
+    served_at_up = a.served(0) + a.served(1)
+
+    # It rejoins: reports again within its Redis timeouts (10 s + 5 s to connect), not TCP's minutes.
+    rejoin_s = lan.wait_for(lambda: {a.queue(0), a.queue(1)} <= set(lan.serving()), 30, "hosta to report again")
+    more = write_prompts(lan.tmp / "head" / "more.jsonl", 200, max_tokens=200, start=300)
+    lan.producer("enqueue", "more.jsonl", "--queues", "live")
+    lan.wait_for(lambda: lan.finished() >= 500, 120, "the second batch")
+    lan.stop_head()
+    for h in hosts:
+        h.stop_all()
+    print(f"partition: {len(held)} prompts recovered {recovered_s:.1f} s after the link went down; "
+          f"hosta reported again {rejoin_s:.1f} s after it came back")
+
+    # Its late results (prompts it finished while cut off) were refused, each one: the prompts it
+    # ran twice are exactly the ones it says Redis refused, and the export holds each prompt once.
+    dropped = dropped_late(a.worker_log(a.queue(0)) + a.worker_log(a.queue(1)))
+    assert 1 <= dropped <= len(held)
+    assert sum(h.served(g) for h in hosts for g in (0, 1)) == len(rows) + len(more) + dropped
+    # It rejoined cleanly: it took a fair share of the second batch from its own queues.
+    assert a.served(0) + a.served(1) - served_at_up >= len(more) // 4
+    assert_exact(lan, rows + more, export_lines(lan))

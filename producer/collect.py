@@ -22,7 +22,7 @@ from batchfleet.records import Result
 
 from .store import Store
 
-__all__ = ["CollectSummary", "collect_once", "follow"]
+__all__ = ["CollectSummary", "collect_once", "follow", "redis_time_s"]
 
 BATCH = 1000
 
@@ -36,6 +36,13 @@ class CollectSummary:
     @property
     def stored(self) -> int:
         return self.succeeded + self.failed
+
+
+def redis_time_s(entry_id: bytes) -> float:
+    """When Redis added a stream entry, in seconds: the milliseconds part of its id (`<ms>-<seq>`). Entries
+    of one millisecond tie; the store's upsert lets the later-applied one win, and entries are applied in
+    stream order."""
+    return int(entry_id.partition(b"-")[0]) / 1000
 
 
 def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH) -> CollectSummary:
@@ -57,7 +64,9 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
                 continue
             ids.append(eid)
             jids.append(res.jid)
-            rows.append((res.cid, res.jid, int(res.ok), orjson.dumps(res.batch_output_line()), res.finished_at))
+            # Ordered by Redis's clock (the entry id's milliseconds), not the worker host's: two hosts'
+            # results for one prompt are compared by when Redis accepted them.
+            rows.append((res.cid, res.jid, int(res.ok), orjson.dumps(res.batch_output_line()), redis_time_s(eid)))
             # a prompt whose enqueue crashed before its row was written still gets exported
             prompts.append((res.cid, res.seq, res.jid, ""))
             if res.ok:

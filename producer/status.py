@@ -10,7 +10,7 @@
     totals: {prompts, succeeded, failed, pending, queued, in_flight, enqueued}
         prompts/succeeded/failed/pending from the results store (pending = no final result yet),
         queued/in_flight summed over queues, enqueued = the Redis counter of jobs ever created
-    workers: {fresh, known}          status records younger than keys.STATUS_TTL_S / names known
+    workers: {fresh, known}          live status records (Redis expires them after keys.STATUS_TTL_S) / names known
     fleet_tokens_per_s               sum of `tokens_per_s` over fresh worker records
     mean_completion_tokens           completion tokens per succeeded prompt so far (null: none yet)
     prompts_per_s                    fleet_tokens_per_s / mean_completion_tokens (null: unknown)
@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import orjson
@@ -27,7 +26,7 @@ import redis
 
 from batchfleet.config import Config
 from batchfleet.connection import redacted
-from batchfleet.keys import STATUS_TTL_S, Keys
+from batchfleet.keys import Keys
 from batchfleet.records import WorkerStatus
 
 from .collect import collect_once
@@ -65,17 +64,18 @@ def gather_status(config: Config, r: redis.Redis, store: Store) -> dict[str, Any
 
     names = sorted(n.decode() for n in r.smembers(keys.workers))
     records = r.mget([keys.status(n) for n in names]) if names else []
-    now, tps, fresh = time.time(), 0.0, 0
+    tps, fresh = 0.0, 0
     for raw in records:
+        # A record exists only while fresh: Redis expires it STATUS_TTL_S after the worker's last
+        # write. Its own `ts` is the worker host's clock, never compared with this host's.
         if raw is None:
             continue
         try:
             ws = WorkerStatus.from_json(raw)
         except (TypeError, ValueError):
             continue
-        if now - ws.ts <= STATUS_TTL_S:
-            fresh += 1
-            tps += ws.tokens_per_s
+        fresh += 1
+        tps += ws.tokens_per_s
 
     counts = store.counts()
     succeeded = stats.get("succeeded", 0)

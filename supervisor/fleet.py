@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 import re
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import redis
 
+from batchfleet.config import DEFAULT_QUEUE_PATTERN
 from batchfleet.keys import RQ_QUEUE_PREFIX, RQ_QUEUES, Keys
 from batchfleet.records import Event, RecordError, WorkerStatus
 
@@ -76,7 +76,10 @@ class FleetSnapshot:
                 "events": [asdict(e) for e in self.events]}
 
 
-def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", events: int = 10) -> FleetSnapshot:
+def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = DEFAULT_QUEUE_PATTERN,
+               events: int = 10) -> FleetSnapshot:
+    """One snapshot. Its `ts` and every event's `ts` are Redis's clock (TIME, stream ids), so the
+    supervisor never compares its own clock with a worker host's."""
     names = sorted(m.decode() for m in r.smembers(k.workers))
     queues = sorted(m.decode()[len(RQ_QUEUE_PREFIX):] for m in r.smembers(RQ_QUEUES))
     queues = [q for q in queues if re.fullmatch(queue_pattern, q)]
@@ -87,8 +90,10 @@ def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", event
         pipe.llen(Keys.queue(q))
     pipe.hgetall(k.stats)
     pipe.xrevrange(k.events, count=events)
+    pipe.time()
     out = pipe.execute()
-    raw_status, lengths, stats, raw_events = out[:len(names)], out[len(names):-2], out[-2], out[-1]
+    raw_status, lengths, stats, raw_events = out[:len(names)], out[len(names):-3], out[-3], out[-2]
+    seconds, micros = out[-1]
     workers = []
     gone = []
     for name, raw in zip(names, raw_status, strict=True):
@@ -109,16 +114,18 @@ def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", event
         except ValueError as exc:
             skip_record(f"counter {kk!r}", exc)
     return FleetSnapshot(
-        ts=time.time(), workers=workers, backlog=dict(zip(queues, lengths, strict=True)),
+        ts=seconds + micros / 1e6, workers=workers, backlog=dict(zip(queues, lengths, strict=True)),
         stats=counters, events=read_events(raw_events))
 
 
 def read_events(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Event]:
-    """Events from XREVRANGE entries, oldest first; malformed ones skipped."""
+    """Events from XREVRANGE entries, oldest first; malformed ones skipped. An event's `ts` is when Redis
+    added it (its stream id), whatever the clock of the host that wrote it said."""
     out = []
     for eid, fields in reversed(entries):
         try:
-            out.append(Event.from_json(fields[b"e"]))
+            event = Event.from_json(fields[b"e"])
+            out.append(replace(event, ts=int(eid.partition(b"-")[0]) / 1000))
         except (KeyError, RecordError) as exc:
             skip_record(f"event {eid!r}", exc)
     return out

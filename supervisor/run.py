@@ -11,6 +11,7 @@ import orjson
 import redis
 
 from batchfleet import keys
+from batchfleet.config import DEFAULT_QUEUE_PATTERN
 from batchfleet.keys import Keys
 from batchfleet.records import Event, RecordError, ServerSpec
 
@@ -76,7 +77,7 @@ def history_sample(snap: FleetSnapshot, classes: dict[str, str]) -> bytes:
 
 def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: LadderConfig,
                   thresholds: Thresholds | None = None, window_s: float = 10.0, sample_s: float = 1.0,
-                  queue_pattern: str = r"gpu\d+", metrics: FleetMetrics | None = None,
+                  queue_pattern: str = DEFAULT_QUEUE_PATTERN, metrics: FleetMetrics | None = None,
                   say: Callable[[str], None] = print, should_stop: Callable[[], bool] = lambda: False) -> None:
     """The loop. State lives in Redis (`Keys.autopilot`), so a restarted supervisor carries on."""
     pilot = Autopilot(settings, ladder, State.from_json(r.get(k.autopilot)))
@@ -93,7 +94,7 @@ def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: Ladder
         report: WindowReport | None = None
         if time.monotonic() - started >= window_s and snap.workers:
             report = classify_window(window, thresholds)
-            actions = pilot.step(report, read_control(r, k, snap), time.time())
+            actions = pilot.step(report, read_control(r, k, snap), snap.ts)  # Redis's clock, as the state's times
             apply(r, k, actions, say=say)
             r.set(k.autopilot, pilot.state.to_json())
             window, started = [snap], time.monotonic()  # windows share their edge sample
@@ -103,7 +104,7 @@ def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: Ladder
 
 
 def manual_restart(r: redis.Redis, k: Keys, spec: ServerSpec, *, canary: str | None = None,
-                   queue_pattern: str = r"gpu\d+") -> ServerSpec:
+                   queue_pattern: str = DEFAULT_QUEUE_PATTERN) -> ServerSpec:
     """Write `spec` with the next generation: for one worker (canary) or the whole fleet."""
     snap = read_fleet(r, k, queue_pattern=queue_pattern, events=1)
     control = read_control(r, k, snap)

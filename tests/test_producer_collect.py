@@ -12,7 +12,7 @@ import orjson
 import pytest
 import redis
 
-from batchfleet.keys import Keys
+from batchfleet.keys import STATUS_TTL_S, Keys
 from batchfleet.records import WorkerStatus
 
 from .test_producer_helpers import RUN, Cli, finish, job_prompt, make_cli, queued_ids, simple, write_jsonl
@@ -103,11 +103,13 @@ def test_status_json(cli: Cli, r: redis.Redis, tmp_path: Path) -> None:
     r.lrem(Keys.queue("gpu1"), 0, g1[0])
     r.zadd(Keys.started("gpu1"), {g1[0]: time.time() + 60})  # in flight
     keys = Keys(RUN)
-    for name, tps, age in (("w0", 30.0, 0), ("w1", 20.0, 1), ("stale", 999.0, 3600)):
+    # Records as workers write them (expiring). w1's host clock is an hour behind: still fresh, since
+    # freshness is the record's Redis TTL, not its writer's clock. "gone" stopped writing: no record.
+    for name, tps, skew in (("w0", 30.0, 0), ("w1", 20.0, -3600)):
         ws = WorkerStatus(worker=name, host="h", queue="gpu0", gpu=0, state="serving", tokens_per_s=tps,
-                          ts=time.time() - age)
-        r.set(keys.status(name), ws.to_json())
-        r.sadd(keys.workers, name)
+                          ts=time.time() + skew)
+        r.set(keys.status(name), ws.to_json(), ex=STATUS_TTL_S)
+    r.sadd(keys.workers, "w0", "w1", "gone")
     rc, out, _ = cli("status", "--json")
     assert rc == 0
     st = orjson.loads(out)

@@ -142,3 +142,65 @@ def test_partitioned_host_loses_its_prompts_to_the_others_and_rejoins(lan):
     # It rejoined cleanly: it took a fair share of the second batch from its own queues.
     assert a.served(0) + a.served(1) - served_at_up >= len(more) // 4
     assert_exact(lan, rows + more, export_lines(lan))
+
+
+def test_a_whole_host_lost_the_rest_finish_the_run(lan):
+    a, b = lan.add_host("hosta"), lan.add_host("hostb")
+    for h in (a, b):
+        for gpu in (0, 1):
+            h.start_worker(gpu)
+    lan.wait_for(lambda: len(lan.serving()) == 4, 90, "4 workers serving")
+    lan.start_collector()
+    rows = write_prompts(lan.tmp / "head" / "prompts.jsonl", 300, max_tokens=200)
+    lan.producer("enqueue", "prompts.jsonl", "--queues", "live")
+    lan.wait_for(lambda: all(lan.serving()[a.queue(g)].in_flight >= 5 for g in (0, 1)), 60, "hosta busy")
+
+    assert a.kill_all() >= 4  # 2 workers and their 2 servers, at least
+    lost_at = time.monotonic()
+    assert a.pids() == []
+    held = held_by(lan, "hosta")
+    assert len(held) >= 10
+    recovered_s = lan.wait_for(lambda: lan.stats().get("recovered", 0) >= len(held), 30,
+                               "hostb to recover the lost host's prompts")
+    # hostb takes what hosta's queues still held too: the default pattern matches host-qualified names.
+    lan.wait_for(lambda: lan.finished() >= 300, 120, "hostb to finish the run")
+    finished_s = time.monotonic() - lost_at
+    assert lan.r.llen("rq:queue:hosta.gpu0") == lan.r.llen("rq:queue:hosta.gpu1") == 0
+    lan.stop_head()
+    assert set(b.stop_all().values()) == {0}
+    print(f"host lost: {len(held)} prompts recovered {recovered_s:.1f} s after the kill; run finished "
+          f"{finished_s:.1f} s after it")
+    assert lan.stats()["recovered"] == len(held)
+    assert_exact(lan, rows, export_lines(lan))
+
+
+def test_a_host_joining_mid_run_takes_work_at_once(lan):
+    slow = {"SGLANG_SIM_TIME_SCALE": "2"}  # hosta alone would need about a minute: time for hostb to come up
+    a = lan.add_host("hosta", env=slow)
+    for gpu in (0, 1):
+        a.start_worker(gpu)
+    lan.wait_for(lambda: len(lan.serving()) == 2, 90, "hosta serving")
+    lan.start_collector()
+    rows = write_prompts(lan.tmp / "head" / "prompts.jsonl", 300, max_tokens=200)
+    lan.producer("enqueue", "prompts.jsonl", "--queues", "live")  # hosta's two queues: nothing for hostb
+    lan.wait_for(lambda: lan.finished() >= 20, 60, "the run under way")
+
+    b = lan.add_host("hostb", env=slow)  # a new machine comes up mid-run: namespace, link, workers
+    for gpu in (0, 1):
+        b.start_worker(gpu)
+    serving_s = lan.wait_for(lambda: {b.queue(0), b.queue(1)} <= set(lan.serving()), 90, "hostb serving")
+    backlog = lan.r.llen("rq:queue:hosta.gpu0") + lan.r.llen("rq:queue:hosta.gpu1")
+    assert backlog > 60, "the run ended before hostb joined: the test proves nothing"
+    first_s = lan.wait_for(lambda: b.served(0) > 0 and b.served(1) > 0, 30, "hostb's GPUs to take work")
+    lan.wait_for(lambda: lan.finished() >= 300, 180, "the run")
+    lan.stop_head()
+    for h in (a, b):
+        assert set(h.stop_all().values()) == {0}
+    print(f"join: hostb serving {serving_s:.1f} s after its workers started, both GPUs busy "
+          f"{first_s:.1f} s later ({backlog} prompts were waiting on hosta's queues)")
+    served_b = b.served(0) + b.served(1)
+    assert served_b + a.served(0) + a.served(1) == 300  # every prompt ran once
+    # hostb stole from hosta's queues from then on: about half of what was left (a quarter is plenty).
+    assert served_b >= backlog // 4, (served_b, backlog)
+    assert lan.stats().get("recovered", 0) == 0
+    assert_exact(lan, rows, export_lines(lan))

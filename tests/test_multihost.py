@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from .fleet import expected_text, text_of, write_prompts
-from .hosts import Lan
+from .hosts import BIN, Lan
 
 pytestmark = pytest.mark.slow
 
@@ -204,3 +204,45 @@ def test_a_host_joining_mid_run_takes_work_at_once(lan):
     assert served_b >= backlog // 4, (served_b, backlog)
     assert lan.stats().get("recovered", 0) == 0
     assert_exact(lan, rows, export_lines(lan))
+
+
+def leases_use_redis_time() -> bool:
+    """Whether the worker's lease scripts read Redis's TIME (track WORKER's change) rather than take the
+    worker host's clock from ARGV."""
+    import worker.ledger as ledger
+
+    return any("redis.call('TIME')" in v or 'redis.call("TIME")' in v for v in vars(ledger).values()
+               if isinstance(v, str))
+
+
+def test_a_host_whose_clock_is_five_minutes_behind(lan):
+    slow = {"SGLANG_SIM_TIME_SCALE": "2"}  # a run of ~15 s: several lease checks (every 5 s) happen in it
+    a = lan.add_host("hosta", env=slow)
+    b = lan.add_host("hostb", env=slow, clock_skew_s=-300)  # its Python processes see time.time() - 300
+    seen = float(b.run(str(BIN / "python"), "-c", "import time; print(time.time())").stdout)
+    assert abs(seen - (time.time() - 300)) < 30
+    for h in (a, b):
+        h.start_worker(0)
+    lan.wait_for(lambda: len(lan.serving()) == 2, 90, "both hosts serving")
+    rows = write_prompts(lan.tmp / "head" / "prompts.jsonl", 120, max_tokens=200)
+    lan.producer("enqueue", "prompts.jsonl", "--queues", "live")
+    # The head counts hostb's worker as alive: its record is fresh by Redis's TTL, whatever its `ts`.
+    lan.wait_for(lambda: lan.finished() >= 10, 60, "the run under way")
+    st = orjson.loads(lan.producer("status", "--json").stdout)
+    assert st["workers"] == {"fresh": 2, "known": 2}
+    lan.wait_for(lambda: lan.finished() >= 120, 180, "the run")
+    for h in (a, b):
+        assert set(h.stop_all().values()) == {0}
+    assert_exact(lan, rows, export_lines(lan))
+
+    # Leases: nobody may take hostb's prompts for lapsed while it renews them, 5 minutes or not.
+    recovered = lan.stats().get("recovered", 0)
+    served = a.served(0) + b.served(0)
+    if not leases_use_redis_time():
+        # Today hostb's leases look 5 minutes old the moment it takes them. (If this fails, the leases
+        # were fixed some other way than leases_use_redis_time() recognises: update it.)
+        assert recovered > 0
+        pytest.xfail(f"leases are stamped with the worker's clock ({recovered} prompts taken from a live host); "
+                     "track WORKER's Redis-TIME leases fix it")
+    assert recovered == 0 and served == len(rows)
+    assert b.served(0) > 0

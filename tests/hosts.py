@@ -365,16 +365,19 @@ class Host:
                 self.name, *cmd]
 
     def popen(self, *cmd: str, log: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
-              **kwargs: Any) -> subprocess.Popen[bytes]:
+              inherit: bool = True, **kwargs: Any) -> subprocess.Popen[bytes]:
+        """Start `cmd` in this host; its environment is the host's plus `env` (only `env` without `inherit`)."""
         with log.open("ab") as fh:
-            proc = subprocess.Popen(self.argv(*cmd), env={**self.env, **(env or {})}, stdout=fh,
-                                    stderr=subprocess.STDOUT, cwd=cwd or self.dir, **kwargs)
+            proc = subprocess.Popen(self.argv(*cmd), env={**(self.env if inherit else {}), **(env or {})},
+                                    stdout=fh, stderr=subprocess.STDOUT, cwd=cwd or self.dir, **kwargs)
         self.procs.append(proc)
         return proc
 
-    def run(self, *cmd: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.argv(*cmd), env=self.env, capture_output=True, text=True, cwd=self.dir,
-                              timeout=timeout_s)
+    def run(self, *cmd: str, timeout_s: float = 60, env: dict[str, str] | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """Run `cmd` in this host to completion (with `env` as its whole environment, when given)."""
+        return subprocess.run(self.argv(*cmd), env=self.env if env is None else env, capture_output=True, text=True,
+                              cwd=cwd or self.dir, timeout=timeout_s)
 
     def queue(self, gpu: int) -> str:
         return f"{self.name}.gpu{gpu}"

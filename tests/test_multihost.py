@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import re
 import secrets
+import shlex
+import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +17,7 @@ import orjson
 import pytest
 
 from .fleet import expected_text, text_of, write_prompts
-from .hosts import BIN, Lan
+from .hosts import BIN, ROOT, Lan
 
 pytestmark = pytest.mark.slow
 
@@ -246,3 +249,63 @@ def test_a_host_whose_clock_is_five_minutes_behind(lan):
                      "track WORKER's Redis-TIME leases fix it")
     assert recovered == 0 and served == len(rows)
     assert b.served(0) > 0
+
+
+def readme_recipe() -> dict[str, list[str]]:
+    """The README's multi-host recipe, by where each line runs: env (the .env), gpu (every GPU host),
+    head (the head host, in order)."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- multihost-recipe")[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    where = {"# On every host": "env", "# On every GPU host": "gpu", "# On the head host": "head"}
+    out: dict[str, list[str]] = {"env": [], "gpu": [], "head": []}
+    current = None
+    for line in block.splitlines():
+        if line.startswith("#"):
+            current = next(v for k, v in where.items() if line.startswith(k))
+        elif line.strip():
+            out[current].append(line)
+    return out
+
+
+def test_the_readme_multihost_recipe_as_written(tmp_path):
+    recipe = readme_recipe()
+    assert [line.split("=")[0] for line in recipe["env"]] == ["REDIS_URL", "BATCHFLEET_MODEL_PATH"]
+    lan = Lan(tmp_path, run="default")  # the recipe names no run
+    try:
+        head, hosts = lan.add_host("head"), [lan.add_host("hosta"), lan.add_host("hostb")]
+        base = {"PATH": lan.env["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8"}  # the package installed
+        for h in (head, *hosts):
+            # The recipe's .env with this test's values, plus what simulated GPUs need instead of real ones.
+            values = {"REDIS_URL": lan.redis_url, "BATCHFLEET_MODEL_PATH": "sim/tiny-hybrid"}
+            dotenv = [f"{line.split('=')[0]}={values[line.split('=')[0]]}" for line in recipe["env"]]
+            dotenv += [f'BATCHFLEET_SGLANG_CMD="{sys.executable} -m sglang_sim"', "BATCHFLEET_STARTUP_TIMEOUT_S=60",
+                       "BATCHFLEET_STATUS_INTERVAL_S=0.5", f"SGLANG_SIM_GPU_DIR={h.dir / 'gpus'}",
+                       "SGLANG_SIM_TIME_SCALE=20", "SGLANG_SIM_STARTUP_S=0.2"]
+            (h.dir / ".env").write_text("\n".join(dotenv) + "\n")
+            shutil.copy(ROOT / "Procfile", h.dir / "Procfile")
+        for h in hosts:  # each has 2 GPUs: the recipe's line with the lines of the GPUs it has
+            for line in recipe["gpu"]:
+                words = [w for w in shlex.split(line) if not re.fullmatch(r"gpu\d+", w) or w in ("gpu0", "gpu1")]
+                h.popen(*words, log=h.dir / "honcho.log", env=base, inherit=False)
+        rows = write_prompts(head.dir / "prompts.jsonl", 200)
+        for line in recipe["head"]:
+            words = shlex.split(line)
+            if words[:2] == ["honcho", "start"]:
+                head.popen(*words, log=head.dir / "honcho.log", env=base, inherit=False)
+                continue
+            if "live" in words:  # "once the workers run"
+                lan.wait_for(lambda: len(lan.serving()) == 4, 90, "the GPU hosts' workers")
+            done = head.run(*words, env=base, timeout_s=180)
+            assert done.returncode == 0, (line, done.stdout, done.stderr)
+            if "enqueue" in words:
+                assert "queues: hosta.gpu0 50, hosta.gpu1 50, hostb.gpu0 50, hostb.gpu1 50" in done.stdout
+        statuses = lan.serving()
+        assert {(s.host, s.gpu) for s in statuses.values()} == {(h, g) for h in ("hosta", "hostb") for g in (0, 1)}
+        assert sum(s.done for s in statuses.values()) == 200 and all(s.done > 0 for s in statuses.values())
+        lines = [orjson.loads(x) for x in (head.dir / "results.jsonl").read_bytes().splitlines()]
+        assert_exact(lan, rows, lines)
+        # The head ran the collector and the supervisor (its metrics on the Procfile's port, inside the head).
+        metrics = head.run(str(BIN / "python"), "-c", "import httpx; print(httpx.get('http://127.0.0.1:9464').text)")
+        assert "batchfleet_gpu_effective_max" in metrics.stdout, metrics.stderr
+    finally:
+        lan.close()

@@ -142,8 +142,11 @@ def sweep_leftovers() -> None:
 
 
 def _free_subnet() -> str:
-    """A 10.X.Y.0/24 no interface of this machine uses."""
+    """A 10.X.Y.0/24 no interface of this machine uses, nor another live test LAN has picked."""
     used = _ip("-o", "-4", "addr").stdout
+    for path in REGISTRY.glob("*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            used += f" {json.loads(path.read_text()).get('subnet', '')}."
     for _ in range(200):
         prefix = f"10.{random.randint(200, 250)}.{random.randint(0, 255)}"
         if f" {prefix}." not in used:
@@ -162,13 +165,14 @@ class Lan:
         self.k = Keys(run)
         self.tag = secrets.token_hex(3)
         self.bridge = f"bfb{self.tag}"
+        REGISTRY.mkdir(exist_ok=True)
         self.prefix = _free_subnet()
         self.address = f"{self.prefix}.1"
         self.hosts: dict[str, Host] = {}
         self.head: dict[str, subprocess.Popen[bytes]] = {}
-        self._record: dict[str, Any] = {"pid": os.getpid(), "bridge": self.bridge, "namespaces": [], "links": []}
+        self._record: dict[str, Any] = {"pid": os.getpid(), "bridge": self.bridge, "subnet": self.prefix,
+                                        "namespaces": [], "links": []}
         self._registry = REGISTRY / f"{self.tag}.json"
-        REGISTRY.mkdir(exist_ok=True)
         self._save()
         self.redis_server: RedisServer | None = None
         try:

@@ -300,9 +300,11 @@ def test_the_readme_multihost_recipe_as_written(tmp_path):
             assert done.returncode == 0, (line, done.stdout, done.stderr)
             if "enqueue" in words:
                 assert "queues: hosta.gpu0 50, hosta.gpu1 50, hostb.gpu0 50, hostb.gpu1 50" in done.stdout
+        # Status records come every 0.5 s: wait for the last counts.
+        lan.wait_for(lambda: sum(s.done for s in lan.serving().values()) == 200, 30, "the workers' last counts")
         statuses = lan.serving()
         assert {(s.host, s.gpu) for s in statuses.values()} == {(h, g) for h in ("hosta", "hostb") for g in (0, 1)}
-        assert sum(s.done for s in statuses.values()) == 200 and all(s.done > 0 for s in statuses.values())
+        assert all(s.done > 0 for s in statuses.values())
         lines = [orjson.loads(x) for x in (head.dir / "results.jsonl").read_bytes().splitlines()]
         assert_exact(lan, rows, lines)
         # The head ran the collector and the supervisor (its metrics on the Procfile's port, inside the head).

@@ -189,8 +189,10 @@ class Lan:
             raise
         self.redis_url = self.redis_server.url  # redis://:pw@10.X.Y.1:PORT/0: what every host is given
         self.r = redis.Redis.from_url(self.redis_url)
-        self.env = {  # what every process of the fleet gets (hosts add their own dirs)
-            **os.environ,
+        inherited = {k: v for k, v in os.environ.items()  # the tester's own fleet settings stay out
+                     if not k.startswith(("BATCHFLEET_", "SGLANG_SIM_")) and k != "REDIS_URL"}
+        self.env = {  # what every process of the fleet gets (hosts add their own dirs); default ports
+            **inherited,
             "PATH": f"{BIN}:{SIM_BIN}:{os.environ.get('PATH', '')}",
             "PYTHONUNBUFFERED": "1",
             "REDIS_URL": self.redis_url,
@@ -205,8 +207,6 @@ class Lan:
             "SGLANG_SIM_STARTUP_S": "0.2",
             **(env or {}),
         }
-        for name in [k for k in self.env if k.startswith(("BATCHFLEET_PORT_BASE", "SGLANG_SIM_GPU_DIR"))]:
-            del self.env[name]  # every host uses the real default ports and its own GPU dir
         (tmp / "head").mkdir(exist_ok=True)
 
     def _save(self) -> None:

@@ -21,10 +21,20 @@ from .errors import ConfigError
 from .keys import valid_queue_name
 from .records import STRATEGIES
 
-__all__ = ["DEFAULT_QUEUE", "STRATEGIES", "Config", "gpu_index_for_queue"]
+__all__ = ["DEFAULT_QUEUE", "DEFAULT_QUEUE_PATTERN", "STRATEGIES", "Config", "expand_queues",
+           "gpu_index_for_queue", "queue_host"]
 
 ENV_PREFIX = "BATCHFLEET_"
 DEFAULT_QUEUE = "gpu0"  # where prompts go when no queue is given and no worker has reported
+
+# Queue names (see docs/multihost.md): unique fleet-wide, `[<run>.][<host>.]gpuN`. The last
+# dot-separated part is the local part and names the GPU on the worker's own host: `hostb.gpu3`
+# runs on local GPU 3 at port base + 3, exactly like `gpu3` on a single host.
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
+LOCAL_PART = re.compile(r"gpu(\d+)")
+# Every GPU queue, host-qualified or not: what a worker may take from when its own queue is dry.
+DEFAULT_QUEUE_PATTERN = r"(?:[A-Za-z0-9_-]+\.)*gpu\d+"
+_RANGE = re.compile(r"\[(\d+)-(\d+)\]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +46,7 @@ class Config:
     # Queues the head feeds besides those live workers serve (recorded for the run at enqueue). Empty:
     # the live fleet's queues, or DEFAULT_QUEUE when no worker has reported yet.
     queues: tuple[str, ...] = ()
-    queue_pattern: str = r"gpu\d+"  # which RQ queues a worker may take work from when its own is dry
+    queue_pattern: str = DEFAULT_QUEUE_PATTERN  # which RQ queues a worker may take work from when its own is dry
 
     # The SGLang server a worker owns.
     sglang_cmd: str = "python -m sglang.launch_server"
@@ -83,6 +93,10 @@ class Config:
             raise ConfigError(f"queue names may only hold letters, digits, '_', '.' and '-': {', '.join(bad)}")
         if self.window_s <= 0 or self.window_default < 1 or self.window_max < 1:
             raise ConfigError("window_s, window_default and window_max must be positive")
+        try:
+            re.compile(self.queue_pattern)
+        except re.error as exc:
+            raise ConfigError(f"queue_pattern {self.queue_pattern!r} is not a regular expression: {exc}") from None
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ConfigError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         for name in ("lease_ttl_s", "status_interval_s", "health_interval_s", "request_timeout_s", "startup_timeout_s"):
@@ -138,10 +152,39 @@ class Config:
 
 
 def gpu_index_for_queue(queue: str) -> int | None:
-    """The GPU a queue's trailing number names: `gpu3` -> 3, `jobA.gpu12` -> 12; None without one.
-    A prefix lets several runs share one Redis without sharing queues."""
-    m = re.fullmatch(r".*?(\d+)", queue)
+    """The local GPU a queue names: its last dot-separated part, `gpuN`. `gpu3` -> 3, `hostb.gpu3` -> 3,
+    `jobA.hostb.gpu12` -> 12; None when the last part is not `gpuN` (`cpu`, `gpu3.hostb`)."""
+    m = LOCAL_PART.fullmatch(queue.rpartition(".")[2])
     return int(m.group(1)) if m else None
+
+
+def queue_host(queue: str) -> str:
+    """The part of a queue name before its local part (`hostb` in `hostb.gpu3`, `jobA.hostb` in
+    `jobA.hostb.gpu3`, "" for `gpu3`)."""
+    return queue.rpartition(".")[0]
+
+
+def expand_queues(text: str) -> tuple[str, ...]:
+    """Comma-separated queue names, each with at most one `[A-B]` range: `hosta.gpu[0-7],hostb.gpu[0-7]`
+    is 16 queues. Duplicates are dropped, order kept. Raises ConfigError on a malformed name."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        ranges = _RANGE.findall(part)
+        if len(ranges) > 1:
+            raise ConfigError(f"queue {part!r}: one [A-B] range per name")
+        names = [part]
+        if ranges:
+            lo, hi = int(ranges[0][0]), int(ranges[0][1])
+            if lo > hi or hi - lo >= 4096:
+                raise ConfigError(f"queue {part!r}: range [{lo}-{hi}] is empty or too large")
+            names = [_RANGE.sub(str(i), part, count=1) for i in range(lo, hi + 1)]
+        for name in names:
+            if not QUEUE_NAME.fullmatch(name):
+                raise ConfigError(f"queue name {name!r}: letters, digits, '_' and '-', in dot-separated parts")
+            out.append(name)
+    return tuple(dict.fromkeys(out))
 
 
 def _parse(name: str, hint: Any, raw: str) -> Any:

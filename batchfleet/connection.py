@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import redis
 
-__all__ = ["connect", "redacted"]
+__all__ = ["CONNECT_TIMEOUT_S", "SOCKET_TIMEOUT_S", "async_client_like", "connect", "redacted", "with_timeouts"]
+
+# For a worker on another host than Redis: a command that gets no answer for this long fails (and
+# its connection is dropped) instead of waiting for TCP to give up (minutes) or to retransmit after
+# a partition heals (tens of seconds); the worker's loops retry it on a fresh connection. No command
+# a worker sends blocks on purpose, and each takes milliseconds.
+SOCKET_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
 
 
 def connect(url: str, *, decode: bool = False, socket_timeout_s: float | None = None) -> redis.Redis:
@@ -22,6 +29,24 @@ def connect(url: str, *, decode: bool = False, socket_timeout_s: float | None = 
         socket_timeout=socket_timeout_s,
         socket_keepalive=True,
     )
+
+
+def with_timeouts(conn: redis.Redis) -> redis.Redis:
+    """Bound how long a client waits on Redis, for the connections it opens from now on: reads at most
+    SOCKET_TIMEOUT_S, connects at most CONNECT_TIMEOUT_S, TCP keepalive on. RQ's CLI builds its client
+    without timeouts and RQ's worker raises the read timeout to ~7 minutes for its blocking dequeue,
+    which batchfleet's worker never calls. Returns `conn`."""
+    pool = conn.connection_pool
+    kwargs = pool.connection_kwargs
+    before = dict(kwargs)
+    for key, cap in (("socket_timeout", SOCKET_TIMEOUT_S), ("socket_connect_timeout", CONNECT_TIMEOUT_S)):
+        if kwargs.get(key) is None or kwargs[key] > cap:
+            kwargs[key] = cap
+    kwargs["socket_keepalive"] = True
+    if kwargs != before:
+        pool.disconnect()  # connections made before keep their old settings: drop them
+        pool.reset()
+    return conn
 
 
 def redacted(url: str) -> str:

@@ -18,10 +18,10 @@ from typing import Any
 
 import redis
 
-from batchfleet.config import Config
+from batchfleet.config import Config, expand_queues
 from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
-from batchfleet.keys import Keys, valid_queue_name
+from batchfleet.keys import Keys
 from batchfleet.marker import repair_command
 
 from . import api
@@ -31,6 +31,7 @@ from .feed import feed_pass
 from .head import Head
 from .locate import Located, Mode, ensure_marker, locate
 from .parse import Reject, check_sampling, parse_param
+from .queues import LIVE
 from .recover import recover
 from .status import format_status, gather_status
 from .store import StoreError
@@ -53,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("enqueue", help="validate a JSONL file into the run's store and feed a first window to Redis")
     e.add_argument("file", help="JSONL input ('-' for stdin)")
-    e.add_argument("--queues", help="comma-separated queues to feed besides those live workers serve, recorded "
-                                    "for the run (default: BATCHFLEET_QUEUES)")
+    e.add_argument("--queues", help="queues to spread over: names, `hosta.gpu[0-7]` ranges, or `live` (the live "
+                   "workers' queues), comma-separated (default: BATCHFLEET_QUEUES)")
     e.add_argument("--max-tokens", type=int)
     e.add_argument("--temperature", type=float)
     e.add_argument("--top-p", type=float)
@@ -101,13 +102,17 @@ def _defaults(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _queues(text: str | None, config: Config) -> tuple[str, ...]:
+    """`--queues`: names, `hosta.gpu[0-7]` ranges, and `live` (the queues live workers serve, which the
+    head always feeds: it adds no name). Empty: only the live workers' queues."""
     if text is None:
         return config.queues
-    queues = tuple(q.strip() for q in text.split(",") if q.strip())
-    bad = [q for q in queues if not valid_queue_name(q)]
-    if not queues or bad:
-        raise UsageError(f"--queues wants names like gpu0,gpu1, got {text!r}")
-    return tuple(dict.fromkeys(queues))
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise UsageError(f"--queues wants names like gpu0,gpu1, hosta.gpu[0-7] or live, got {text!r}")
+    try:
+        return expand_queues(",".join(p for p in parts if p != LIVE))
+    except ConfigError as exc:
+        raise UsageError(f"--queues: {exc}") from None
 
 
 def _state_dir_given(args: argparse.Namespace) -> bool:

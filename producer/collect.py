@@ -23,7 +23,7 @@ from batchfleet.records import RecordError, Result, job_id_for
 
 from .store import Store
 
-__all__ = ["CollectSummary", "collect_once"]
+__all__ = ["CollectSummary", "collect_once", "redis_time_s"]
 
 BATCH = 1000
 SHOW_REJECTED = 3  # rejected entries described one by one per pass; the rest only counted
@@ -43,6 +43,13 @@ class CollectSummary:
         self.succeeded += other.succeeded
         self.failed += other.failed
         self.rejected += other.rejected
+
+def redis_time_s(entry_id: bytes) -> float:
+    """When Redis added a stream entry, in seconds: the milliseconds part of its id (`<ms>-<seq>`). Entries
+    of one millisecond tie; the store's upsert lets the later-applied one win, and entries are applied in
+    stream order."""
+    return int(entry_id.partition(b"-")[0]) / 1000
+
 
 
 def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH,
@@ -75,7 +82,7 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
                         why = f"job id {res.jid[:40]!r} is not the job of custom_id {res.cid[:80]!r}"
                     else:
                         rows.append((hit[0], hit[1], int(res.ok), orjson.dumps(res.batch_output_line()),
-                                     res.finished_at))
+                                     redis_time_s(eid)))  # Redis's clock orders results, not the worker host's
                         ok_jids.append(res.jid)
                         if res.ok:
                             out.succeeded += 1

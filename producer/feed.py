@@ -29,7 +29,7 @@ import redis
 
 from batchfleet.config import Config
 from batchfleet.jobs import GENERATE
-from batchfleet.keys import RQ_QUEUES, STATUS_TTL_S, Keys, valid_queue_name
+from batchfleet.keys import RQ_QUEUES, Keys, valid_queue_name
 from batchfleet.records import MAX_RUNNING_RANGE, RecordError, WorkerStatus, job_id_for
 
 from .lua import FEED_LUA
@@ -50,8 +50,7 @@ class FleetView:
     tokens_per_s: float = 0.0
 
 
-def read_fleet_view(r: redis.Redis, keys: Keys, *, now: float | None = None) -> FleetView:
-    now = time.time() if now is None else now
+def read_fleet_view(r: redis.Redis, keys: Keys) -> FleetView:
     names = sorted(n.decode(errors="replace") for n in r.smembers(keys.workers))
     view = FleetView(known=len(names))
     for raw in r.mget([keys.status(n) for n in names]) if names else []:
@@ -61,7 +60,9 @@ def read_fleet_view(r: redis.Redis, keys: Keys, *, now: float | None = None) -> 
             ws = WorkerStatus.from_json(raw)
         except RecordError:
             continue
-        if now - ws.ts > STATUS_TTL_S or not valid_queue_name(ws.queue):
+        # Fresh = the record exists: Redis expires it STATUS_TTL_S after its worker's last write. Its own
+        # `ts` is the worker host's clock and is never compared with this host's.
+        if not valid_queue_name(ws.queue):
             continue
         view.fresh += 1
         view.tokens_per_s += max(0.0, min(ws.tokens_per_s, 1e7))

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import redis
@@ -112,8 +111,10 @@ def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", event
         pipe.llen(Keys.queue(q))
     pipe.hgetall(k.stats)
     pipe.xrevrange(k.events, count=events)
+    pipe.time()
     out = pipe.execute()
-    raw_status, lengths, stats, raw_events = out[:len(names)], out[len(names):-2], out[-2], out[-1]
+    raw_status, lengths, stats, raw_events = out[:len(names)], out[len(names):-3], out[-3], out[-2]
+    seconds, micros = out[-1]
     workers = []
     gone = []
     for name, raw in zip(names, raw_status, strict=True):
@@ -139,7 +140,7 @@ def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", event
             counters[kk.decode()] = int(float(v))
         except ValueError as exc:
             skip_record(f"counter {kk!r}", exc)
-    now = time.time()
+    now = seconds + micros / 1e6  # Redis's clock: the supervisor never compares its own with a worker host's
     return FleetSnapshot(
         ts=now, workers=workers, backlog=dict(zip(queues, lengths, strict=True)),
         stats=counters, events=read_events(raw_events),
@@ -147,11 +148,13 @@ def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", event
 
 
 def read_events(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Event]:
-    """Events from XREVRANGE entries, oldest first; malformed ones skipped."""
+    """Events from XREVRANGE entries, oldest first; malformed ones skipped. An event's `ts` is when Redis
+    added it (its stream id), whatever the clock of the host that wrote it said."""
     out = []
     for eid, fields in reversed(entries):
         try:
-            out.append(Event.from_json(fields[b"e"]))
+            event = Event.from_json(fields[b"e"])
+            out.append(replace(event, ts=int(eid.partition(b"-")[0]) / 1000))
         except (KeyError, RecordError) as exc:
             skip_record(f"event {eid!r}", exc)
     return out

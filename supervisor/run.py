@@ -17,6 +17,7 @@ import orjson
 import redis
 
 from batchfleet import keys
+from batchfleet.config import DEFAULT_QUEUE_PATTERN
 from batchfleet.keys import Keys
 from batchfleet.records import Event, RecordError, ServerSpec
 
@@ -131,7 +132,7 @@ def _restore(r: redis.Redis, k: Keys, state: State, say: Callable[[str], None]) 
 
 def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: LadderConfig,
                   thresholds: Thresholds | None = None, window_s: float = 10.0, sample_s: float = 1.0,
-                  queue_pattern: str = r"gpu\d+", metrics: FleetMetrics | None = None,
+                  queue_pattern: str = DEFAULT_QUEUE_PATTERN, metrics: FleetMetrics | None = None,
                   say: Callable[[str], None] = print, should_stop: Callable[[], bool] = lambda: False,
                   show: Callable[[FleetSnapshot, WindowReport | None, State], None] | None = None,
                   redis_label: str = "") -> None:
@@ -172,7 +173,8 @@ def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: Ladder
                 if entries:
                     after_id = entries[-1][0]
                 report = classify_window(window, thresholds)
-                actions = pilot.step(report, read_control(r, k, snap), time.time(), read_events(entries[::-1]))
+                actions = pilot.step(report, read_control(r, k, snap), snap.ts,  # Redis's clock
+                                    read_events(entries[::-1]))
                 apply(r, k, actions, say=say, state=pilot.state)
                 r.set(k.autopilot, pilot.state.to_json())
                 window, started = [snap], time.monotonic()  # windows share their edge sample
@@ -187,7 +189,7 @@ def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: Ladder
 
 
 def manual_restart(r: redis.Redis, k: Keys, spec: ServerSpec, *, canary: str | None = None,
-                   queue_pattern: str = r"gpu\d+") -> ServerSpec:
+                   queue_pattern: str = DEFAULT_QUEUE_PATTERN) -> ServerSpec:
     """Write `spec` with the next generation: for one GPU (canary: its queue, or a worker's name) or
     the whole fleet."""
     snap = read_fleet(r, k, queue_pattern=queue_pattern, events=1)

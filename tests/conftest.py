@@ -23,8 +23,10 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server subprocess the tests own."""
 
-    def __init__(self, workdir: Path, *extra_args: str, password: str = "") -> None:
+    def __init__(self, workdir: Path, *extra_args: str, password: str = "",
+                 bind: tuple[str, ...] = ("127.0.0.1",)) -> None:
         self.port = free_port()
+        self.bind = bind  # the first address is the one `url` names (e.g. a test LAN's, tests/hosts.py)
         self.workdir = workdir
         self.extra_args = [*extra_args, *(["--requirepass", password] if password else [])]
         self.password = password
@@ -33,14 +35,14 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.bind[0]}:{self.port}/0"
 
     def start(self) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.fail("redis-server is not installed (.ci/run installs it)")
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [exe, "--port", str(self.port), "--bind", *self.bind, "--save", "", "--appendonly", "no",
              "--dir", str(self.workdir), *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from batchfleet.config import Config
-from batchfleet.keys import FAILURE_TTL_S, Keys
+from batchfleet.keys import FAILURE_TTL_S, STATUS_TTL_S, Keys
 from batchfleet.records import Result, WorkerStatus, job_id_for
 from producer.head import Head
 from producer.store import Store
@@ -128,11 +128,13 @@ def test_status_tells_where_every_prompt_is(cli: Cli, r: redis.Redis, redis_url:
     r.lrem(Keys.queue("gpu0"), 0, foreign)
     r.hset(Keys.job(foreign), mapping={"status": "failed", "worker_name": "stock-1"})
     r.zadd(Keys.failed("gpu0"), {foreign: time.time() + FAILURE_TTL_S})
-    for name, tps, age in (("w0", 30.0, 0), ("w1", 20.0, 1), ("stale", 999.0, 3600)):
+    # Records as workers write them (expiring). w1's host clock is an hour behind: still fresh, since
+    # freshness is the record's Redis TTL, not its writer's clock. "gone" stopped writing: no record.
+    for name, tps, skew in (("w0", 30.0, 0), ("w1", 20.0, -3600)):
         ws = WorkerStatus(worker=name, host="h", queue="gpu0", gpu=0, state="serving", tokens_per_s=tps,
-                          effective_max=4, ts=time.time() - age)
-        r.set(keys.status(name), ws.to_json())
-        r.sadd(keys.workers, name)
+                          effective_max=4, ts=time.time() + skew)
+        r.set(keys.status(name), ws.to_json(), ex=STATUS_TTL_S)
+    r.sadd(keys.workers, "w0", "w1", "gone")
 
     before = (r.xlen(keys.results), r.scard(keys.done))
     rc, out, _ = cli("status", "--json")

@@ -23,8 +23,8 @@ from typing import Any
 import orjson
 from rq.worker import BaseWorker
 
-from batchfleet.config import Config, gpu_index_for_queue
-from batchfleet.connection import async_client_like
+from batchfleet.config import Config, gpu_index_for_queue, queue_host
+from batchfleet.connection import async_client_like, with_timeouts
 from batchfleet.errors import ConfigError
 from batchfleet.serializer import OrjsonSerializer
 
@@ -47,11 +47,16 @@ class GPUWorker(BaseWorker):
         kwargs["serializer"] = OrjsonSerializer
         if not kwargs.get("name") and not args:
             # Readable and unique among live workers (a fixed --name would block a restart after a
-            # kill -9 for minutes): host, queue and pid, e.g. "gpuhost-3.gpu0.41234".
+            # kill -9 for minutes): host, queue and pid, e.g. "gpuhost-3.gpu0.41234"; a queue that
+            # already names this host is not prefixed twice ("hostb.gpu3.41234").
             first = queues[0] if isinstance(queues, list | tuple) else queues
             queue = first if isinstance(first, str) else getattr(first, "name", "worker")
-            kwargs["name"] = f"{socket.gethostname()}.{queue}.{os.getpid()}"
+            host = socket.gethostname()
+            named = host in queue_host(queue).split(".")
+            kwargs["name"] = f"{queue}.{os.getpid()}" if named else f"{host}.{queue}.{os.getpid()}"
         super().__init__(queues, *args, **kwargs)
+        # Redis may be on another host: a partition must fail commands, not hang them (see connection.py).
+        with_timeouts(self.connection)
 
     def work(self, burst: bool = False, logging_level: str | None = "INFO", date_format: str = "%H:%M:%S",
              log_format: str = "%(asctime)s %(name)s %(levelname)s %(message)s", **_: Any) -> bool:
@@ -68,7 +73,8 @@ class GPUWorker(BaseWorker):
             queue = self.queue_names()[0]
             gpu = config.gpu if config.gpu is not None else gpu_index_for_queue(queue)
             if gpu is None:
-                raise ConfigError(f"queue {queue!r} names no GPU: call it gpuN or set BATCHFLEET_GPU")
+                raise ConfigError(f"queue {queue!r} names no GPU: its last part must be gpuN (gpu3, hostb.gpu3) "
+                                  "or set BATCHFLEET_GPU")
         except ConfigError as exc:
             log.error("%s", exc)
             sys.exit(EXIT_CONFIG)

@@ -1,0 +1,105 @@
+"""Queue names that scale to many hosts: `[<run>.][<host>.]gpuN`, the local part picks the GPU;
+`producer enqueue --queues` takes names, `[A-B]` ranges, or the live fleet's queues."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import pytest
+import redis
+
+from batchfleet.config import DEFAULT_QUEUE_PATTERN, Config, expand_queues, gpu_index_for_queue, queue_host
+from batchfleet.connection import SOCKET_TIMEOUT_S
+from batchfleet.errors import ConfigError
+from batchfleet.keys import STATUS_TTL_S, Keys
+from batchfleet.records import WorkerStatus
+from producer.queues import live_queues, resolve_queues
+
+from .test_producer_helpers import RUN, Cli, make_cli, queued_ids, simple, write_jsonl
+
+
+@pytest.mark.parametrize("queue, gpu, host", [
+    ("gpu3", 3, ""), ("hostb.gpu3", 3, "hostb"), ("jobA.hostb.gpu12", 12, "jobA.hostb"),
+    ("gpu-node-7.gpu0", 0, "gpu-node-7"),
+    ("cpu", None, ""), ("gpu3.hostb", None, "gpu3"), ("hostb.gpu", None, "hostb"), ("node7", None, ""),
+])
+def test_the_local_part_names_the_gpu(queue, gpu, host):
+    assert gpu_index_for_queue(queue) == gpu
+    assert queue_host(queue) == host
+
+
+def test_the_default_pattern_matches_every_hosts_gpu_queues():
+    for q in ("gpu0", "hosta.gpu7", "jobA.hostb.gpu15"):
+        assert re.fullmatch(DEFAULT_QUEUE_PATTERN, q), q
+    for q in ("hosta.cpu0", "gpu0.hosta", "default", "hosta.gpu0:x"):
+        assert not re.fullmatch(DEFAULT_QUEUE_PATTERN, q), q
+    assert Config().queue_pattern == DEFAULT_QUEUE_PATTERN
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        Config.from_env({"BATCHFLEET_QUEUE_PATTERN": "gpu(\\d+"})
+
+
+def test_ranges_expand_and_bad_names_are_refused():
+    assert expand_queues("hosta.gpu[0-2], hostb.gpu[0-1],hosta.gpu1") == (
+        "hosta.gpu0", "hosta.gpu1", "hosta.gpu2", "hostb.gpu0", "hostb.gpu1")
+    assert len(expand_queues("a.gpu[0-7],b.gpu[0-7]")) == 16
+    for bad, why in (("a b.gpu0", "letters"), ("hosta..gpu0", "letters"), ("h.gpu[3-1]", "empty"),
+                     ("h[0-1].gpu[0-1]", "one"), ("rq:queue:x", "letters")):
+        with pytest.raises(ConfigError, match=why):
+            expand_queues(bad)
+
+
+def put_status(r: redis.Redis, name: str, queue: str, state: str = "serving") -> None:
+    ws = WorkerStatus(worker=name, host=queue_host(queue), queue=queue, gpu=gpu_index_for_queue(queue), state=state)
+    r.set(Keys(RUN).status(name), ws.to_json(), ex=STATUS_TTL_S)
+    r.sadd(Keys(RUN).workers, name)
+
+
+def test_live_queues_are_what_live_workers_report(r: redis.Redis):
+    keys = Keys(RUN)
+    put_status(r, "hostb.gpu1.9", "hostb.gpu1")
+    put_status(r, "hosta.gpu10.8", "hosta.gpu10")
+    put_status(r, "hosta.gpu2.7", "hosta.gpu2", state="starting")
+    put_status(r, "hostc.gpu0.6", "hostc.gpu0", state="down")  # its server cannot start: no work for it
+    r.set(keys.status("garbage"), b"{not json", ex=STATUS_TTL_S)
+    r.sadd(keys.workers, "garbage", "gone")  # "gone": its record expired
+    assert live_queues(r, keys) == ["hosta.gpu2", "hosta.gpu10", "hostb.gpu1"]
+    assert resolve_queues("live,spare.gpu[0-1]", r, keys) == (
+        "hosta.gpu2", "hosta.gpu10", "hostb.gpu1", "spare.gpu0", "spare.gpu1")
+    with pytest.raises(ConfigError, match="no live worker of run 'other'"):
+        resolve_queues("live", r, Keys("other"))
+
+
+@pytest.fixture
+def cli(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Cli:
+    return make_cli(redis_url, tmp_path / "state", monkeypatch, capsys)
+
+
+def test_enqueue_to_the_live_fleet_or_a_range(cli: Cli, r: redis.Redis, tmp_path: Path):
+    f = write_jsonl(tmp_path / "in.jsonl", simple(8))
+    rc, _, err = cli("enqueue", str(f), "--queues", "live", "--no-progress")
+    assert rc == 2 and "no live worker" in err and "start the workers first" in err
+    put_status(r, "hosta.gpu0.1", "hosta.gpu0")
+    put_status(r, "hostb.gpu0.2", "hostb.gpu0")
+    rc, out, _ = cli("enqueue", str(f), "--queues", "live", "--no-progress")
+    assert rc == 0 and "queues: hosta.gpu0 4, hostb.gpu0 4" in out
+    f2 = write_jsonl(tmp_path / "more.jsonl", simple(4, prefix="q"))
+    rc, out, _ = cli("enqueue", str(f2), "--queues", "hosta.gpu[0-1],hostb.gpu[0-1]", "--no-progress")
+    assert rc == 0 and "queues: hosta.gpu0 1, hosta.gpu1 1, hostb.gpu0 1, hostb.gpu1 1" in out
+    assert len(queued_ids(r, "hosta.gpu0", "hosta.gpu1", "hostb.gpu0", "hostb.gpu1")) == 12
+    rc, _, err = cli("enqueue", str(f2), "--queues", "bad name", "--no-progress")
+    assert rc == 2 and "queue name 'bad name'" in err
+
+
+def test_a_worker_on_a_host_qualified_queue(r: redis.Redis, monkeypatch: pytest.MonkeyPatch):
+    """`rq worker hostb.gpu3` on host hostb: named once after its host, Redis waits bounded."""
+    from worker import GPUWorker
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "hostb")
+    w = GPUWorker(["hostb.gpu3"], connection=r)
+    assert re.fullmatch(r"hostb\.gpu3\.\d+", w.name)
+    assert re.fullmatch(r"hostb\.hosta\.gpu0\.\d+", GPUWorker(["hosta.gpu0"], connection=r).name)
+    # RQ raises the read timeout to ~7 minutes for its blocking dequeue; our worker never dequeues
+    # that way, and a partition must not hang it that long.
+    assert w.connection.connection_pool.connection_kwargs["socket_timeout"] == SOCKET_TIMEOUT_S

@@ -31,7 +31,7 @@ from .feed import feed_pass
 from .head import Head
 from .locate import Located, Mode, ensure_marker, locate
 from .parse import Reject, check_sampling, parse_param
-from .queues import LIVE
+from .queues import LIVE, live_queues
 from .recover import recover
 from .status import format_status, gather_status
 from .store import StoreError
@@ -193,6 +193,10 @@ def _export(args: argparse.Namespace, config: Config, r: redis.Redis, loc: Locat
 
 def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit: bool) -> int:
     defaults, queues = _defaults(args), _queues(args.queues, config)
+    if args.queues is not None and LIVE in (p.strip() for p in args.queues.split(",")) \
+            and not live_queues(r, Keys(config.run)):
+        raise UsageError(f"--queues live: no live worker of run {config.run!r} reports a queue: start the workers "
+                         "first, or name the queues (e.g. hosta.gpu[0-7],hostb.gpu[0-7])")
     if args.file != "-" and not Path(args.file).is_file():
         raise UsageError(f"{args.file}: no such file")
     done = api.enqueue(config, r, args.file, queues=queues, explicit=explicit, defaults=defaults,

@@ -154,7 +154,10 @@ def read_events(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Event]:
     for eid, fields in reversed(entries):
         try:
             event = Event.from_json(fields[b"e"])
-            out.append(replace(event, ts=int(eid.partition(b"-")[0]) / 1000))
+            ms, _, seq = eid.partition(b"-")
+            # Redis's clock; the entry's sequence number orders events of one millisecond (strictly, so
+            # "newer than the last seen" never drops one).
+            out.append(replace(event, ts=int(ms) / 1000 + min(int(seq or 0), 999) * 1e-6))
         except (KeyError, RecordError) as exc:
             skip_record(f"event {eid!r}", exc)
     return out

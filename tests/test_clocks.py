@@ -36,7 +36,7 @@ def test_the_later_result_wins_whatever_its_hosts_clock(cli: Cli, r: redis.Redis
     # another reason. The export must say B's reason: B's result reached Redis last.
     assert cli("enqueue", str(write_jsonl(tmp_path / "in.jsonl", simple(1))), "--no-progress")[0] == 0
     (jid,) = queued_ids(r, "gpu0")
-    p, _ = job_prompt(r, jid)
+    p = job_prompt(r, jid)
     keys = Keys(RUN)
     for message, clock in (("on host A", time.time() + DAY), ("on host B", time.time())):
         res = Result(cid=p.cid, jid=jid, seq=p.seq, status_code=500, error={"code": "x", "message": message},

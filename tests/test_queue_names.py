@@ -83,10 +83,10 @@ def test_enqueue_to_the_live_fleet_or_a_range(cli: Cli, r: redis.Redis, tmp_path
     put_status(r, "hosta.gpu0.1", "hosta.gpu0")
     put_status(r, "hostb.gpu0.2", "hostb.gpu0")
     rc, out, _ = cli("enqueue", str(f), "--queues", "live", "--no-progress")
-    assert rc == 0 and "queues: hosta.gpu0 4, hostb.gpu0 4" in out
+    assert rc == 0 and "fed to Redis: hosta.gpu0 4, hostb.gpu0 4" in out
     f2 = write_jsonl(tmp_path / "more.jsonl", simple(4, prefix="q"))
     rc, out, _ = cli("enqueue", str(f2), "--queues", "hosta.gpu[0-1],hostb.gpu[0-1]", "--no-progress")
-    assert rc == 0 and "queues: hosta.gpu0 1, hosta.gpu1 1, hostb.gpu0 1, hostb.gpu1 1" in out
+    assert rc == 0 and "fed to Redis: hosta.gpu0 1, hosta.gpu1 1, hostb.gpu0 1, hostb.gpu1 1" in out
     assert len(queued_ids(r, "hosta.gpu0", "hosta.gpu1", "hostb.gpu0", "hostb.gpu1")) == 12
     rc, _, err = cli("enqueue", str(f2), "--queues", "bad name", "--no-progress")
     assert rc == 2 and "queue name 'bad name'" in err

@@ -63,7 +63,7 @@ def test_run_across_two_hosts(lan):
 
     rows = write_prompts(lan.tmp / "head" / "prompts.jsonl", 400)
     enq = lan.producer("enqueue", "prompts.jsonl", "--queues", "live")
-    assert "queues: hosta.gpu0 100, hosta.gpu1 100, hostb.gpu0 100, hostb.gpu1 100" in enq.stdout
+    assert "fed to Redis: hosta.gpu0 100, hosta.gpu1 100, hostb.gpu0 100, hostb.gpu1 100" in enq.stdout
     lan.wait_for(lambda: lan.finished() >= 400, 180, "400 prompts")
 
     # Each host ran its own GPUs 0 and 1 on the same ports, under its own hostname.
@@ -210,15 +210,6 @@ def test_a_host_joining_mid_run_takes_work_at_once(lan):
     assert_exact(lan, rows, export_lines(lan))
 
 
-def leases_use_redis_time() -> bool:
-    """Whether the worker's lease scripts read Redis's TIME (track WORKER's change) rather than take the
-    worker host's clock from ARGV."""
-    import worker.ledger as ledger
-
-    return any("redis.call('TIME')" in v or 'redis.call("TIME")' in v for v in vars(ledger).values()
-               if isinstance(v, str))
-
-
 def test_a_host_whose_clock_is_five_minutes_behind(lan):
     slow = {"SGLANG_SIM_TIME_SCALE": "2"}  # a run of ~15 s: several lease checks (every 5 s) happen in it
     a = lan.add_host("hosta", env=slow)
@@ -242,12 +233,6 @@ def test_a_host_whose_clock_is_five_minutes_behind(lan):
     # Leases: nobody may take hostb's prompts for lapsed while it renews them, 5 minutes or not.
     recovered = lan.stats().get("recovered", 0)
     served = a.served(0) + b.served(0)
-    if not leases_use_redis_time():
-        # Today hostb's leases look 5 minutes old the moment it takes them. (If this fails, the leases
-        # were fixed some other way than leases_use_redis_time() recognises: update it.)
-        assert recovered > 0
-        pytest.xfail(f"leases are stamped with the worker's clock ({recovered} prompts taken from a live host); "
-                     "track WORKER's Redis-TIME leases fix it")
     assert recovered == 0 and served == len(rows)
     assert b.served(0) > 0
 
@@ -299,7 +284,7 @@ def test_the_readme_multihost_recipe_as_written(tmp_path):
             done = head.run(*words, env=base, timeout_s=180)
             assert done.returncode == 0, (line, done.stdout, done.stderr)
             if "enqueue" in words:
-                assert "queues: hosta.gpu0 50, hosta.gpu1 50, hostb.gpu0 50, hostb.gpu1 50" in done.stdout
+                assert "fed to Redis: hosta.gpu0 50, hosta.gpu1 50, hostb.gpu0 50, hostb.gpu1 50" in done.stdout
         # Status records come every 0.5 s: wait for the last counts.
         lan.wait_for(lambda: sum(s.done for s in lan.serving().values()) == 200, 30, "the workers' last counts")
         statuses = lan.serving()

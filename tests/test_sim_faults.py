@@ -57,6 +57,29 @@ def test_hang_keeps_port_but_fails_health_generate() -> None:
         assert time.monotonic() - t0 < 3  # 20 s / time scale, at least 1 s
 
 
+def test_a_full_busy_server_is_healthy() -> None:
+    """As in SGLang: /health_generate answers 200 once the scheduler produced anything after the check
+    began, even when the probe itself waits behind a full batch of long generations (it is not hung)."""
+    with start_sim("--max-running-requests", "4",
+                   env={"SGLANG_SIM_STARTUP_S": "0.05", "SGLANG_SIM_TIME_SCALE": "2"}) as sim:
+
+        async def go() -> tuple[int, float]:
+            async with httpx.AsyncClient(timeout=120) as c:
+                load = [asyncio.ensure_future(c.post(sim.url + "/generate", json={
+                    "text": f"long {i}", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}))
+                    for i in range(8)]
+                await asyncio.sleep(1.0)  # every slot busy, 4 more waiting
+                t0 = time.monotonic()
+                code = (await c.get(sim.url + "/health_generate")).status_code
+                took = time.monotonic() - t0
+                for t in load:
+                    t.cancel()
+                return code, took
+
+        code, took = asyncio.run(go())
+        assert code == 200 and took < 5  # answered by progress, not after the 10 s (20 s / 2) timeout
+
+
 def test_fail_startup_oom() -> None:
     p = run_sim_cli("--model-path", "m", env={**FAST, "SGLANG_SIM_FAIL_STARTUP": "oom"})
     assert p.returncode != 0

@@ -246,7 +246,7 @@ class Lan:
         return proc
 
     def start_collector(self) -> subprocess.Popen[bytes]:
-        return self.start_head("collector", [str(BIN / "producer"), "collect", "--follow", "--interval", "0.5"])
+        return self.start_head("collector", [str(BIN / "producer"), "head", "--interval", "0.5"])
 
     def start_supervisor(self, *args: str) -> subprocess.Popen[bytes]:
         return self.start_head("supervisor", [str(BIN / "supervisor"), "run", *args])

@@ -53,6 +53,14 @@ RQ_QUEUES = "rq:queues"
 RQ_STARTED_PREFIX = "rq:wip:"
 RQ_FAILED_PREFIX = "rq:failed:"
 RQ_RESULTS_PREFIX = "rq:results:"
+# RQ's keys batchfleet never builds names of, but which a Redis ACL must name (batchfleet.acl): a
+# worker's registration hash and indexes, its command channel, RQ's other registries and locks.
+RQ_WORKER_PREFIX = "rq:worker:"  # rq:worker:<name> (hash)
+RQ_WORKERS = "rq:workers"  # set of worker keys; rq:workers:<q> per queue
+RQ_PUBSUB_PREFIX = "rq:pubsub:"  # channel rq:pubsub:<worker name>: `rq.command.send_command`
+RQ_OTHER_REGISTRIES = ("rq:finished:", "rq:scheduled:", "rq:canceled:", "rq:deferred:")
+RQ_SUSPENDED = "rq:suspended"  # `rq suspend`
+RQ_CLEAN_LOCK_PREFIX = "rq:clean_registries:"
 
 # What a queue name may hold (it becomes part of RQ's key names and of log lines).
 QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")

@@ -58,6 +58,14 @@ def dump_redis(r: redis.Redis) -> bytes:
     return b"\n".join(out)
 
 
+def anonymous(port: int, **kw: object) -> redis.Redis:
+    """A client that gives up at once (redis-py retries a refused login with backoff, seconds each)."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis(port=port, retry=Retry(NoBackoff(), 0), **kw)  # type: ignore[arg-type]
+
+
 def files_under(root: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
 
@@ -147,3 +155,120 @@ def test_a_fleet_with_an_api_key_and_a_redis_password_writes_neither_anywhere(tm
     assert len(private) >= 6
     for path in private:
         assert mode(path) == 0o600, f"{path} has mode {oct(mode(path))}"
+
+
+# --- 8.3: one Redis ACL user per role -------------------------------------------------------------------
+
+
+def start_acl_redis(tmp_path: Path, cleanup: list) -> tuple[RedisServer, dict[str, str]]:
+    """A redis-server that knows only the users `python -m batchfleet.acl` generated (default user off)."""
+    pw_file, acl = tmp_path / "acl" / "passwords", tmp_path / "acl" / "users.acl"
+    acl.parent.mkdir()
+    done = subprocess.run([str(BIN / "python"), "-m", "batchfleet.acl", "--passwords", str(pw_file), "--out", str(acl)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert mode(pw_file) == 0o600 and mode(acl) == 0o600
+    passwords = dict(line.split("=", 1) for line in pw_file.read_text().splitlines())
+    assert not any(pw in acl.read_text() for pw in passwords.values())  # only hashes in the ACL file
+    server = RedisServer(tmp_path / "acl", "--aclfile", str(acl), user="admin", password=passwords["admin"])
+    server.start()
+    cleanup.append(server)
+    return server, passwords
+
+
+def test_a_full_run_where_each_role_is_its_own_acl_user(tmp_path, cleanup):
+    server, passwords = start_acl_redis(tmp_path, cleanup)
+
+    def url(role: str) -> str:
+        return f"redis://{role}:{passwords[role]}@127.0.0.1:{server.port}/0"
+
+    admin = redis.Redis.from_url(url("admin"))
+    with pytest.raises(redis.AuthenticationError):
+        anonymous(server.port).ping()  # the default user is off
+
+    fleet = Fleet(tmp_path, url("admin"), run="acl", prefix="acl.", gpus=2, env={"BATCHFLEET_SHUTDOWN_GRACE_S": "5"})
+    cleanup.append(fleet)
+    as_ = {role: {"REDIS_URL": url(role)} for role in passwords}
+    rows = write_prompts(tmp_path / "prompts.jsonl", 30, max_tokens=24)
+
+    def cli(role: str, *argv: str) -> str:
+        done = run_cli(fleet, *argv, env=as_[role])
+        assert done.returncode == 0, f"{role}: {argv} exited {done.returncode}: {done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    cli("producer", "producer", "enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    fleet.start_head(env=as_["head"])
+    for gpu in (0, 1):
+        fleet.start_worker(gpu, env=as_["worker"])
+    fleet.wait_for(lambda: fleet.finished() >= len(rows), 120, "every prompt")
+    fleet.wait_for(lambda: len(fleet.statuses()) == 2, 30, "both status records")
+
+    # The supervisor changes one GPU's spec (its user may write the control hash); the worker follows.
+    cli("supervisor", "supervisor", "restart", "--strategy", "default", "--mem-fraction-static", "0.8",
+        "--canary", fleet.queue(0))
+    fleet.wait_for(lambda: any(s.queue == fleet.queue(0) and s.generation == 1 and s.state == "serving"
+                               for s in fleet.statuses()), 60, "gpu0 restarted on generation 1")
+    snap = orjson.loads(cli("viewer", "supervisor", "status", "--json"))
+    assert {w["queue"] for w in snap["workers"]} == {fleet.queue(0), fleet.queue(1)}
+    cli("viewer", "supervisor", "watch", "--once", "--json")
+    status = orjson.loads(cli("viewer", "producer", "status", "--json"))
+    assert status["redis"].startswith("redis://viewer:***@")
+    # `rq info` cleans RQ's registries as it counts (ZREMRANGEBYSCORE): not a viewer's command; the admin's.
+    info = subprocess.run([str(BIN / "rq"), "info", "-u", url("admin"), "--raw", "--only-queues"],
+                          capture_output=True, text=True, timeout=60)
+    assert info.returncode == 0 and f"queue {fleet.queue(0)} 0" in info.stdout, info.stdout + info.stderr
+    cli("producer", "producer", "export", "results.jsonl")
+    assert fleet.stop_all() == {0: 0, 1: 0}
+    exported = [orjson.loads(x) for x in (tmp_path / "results.jsonl").read_bytes().splitlines()]
+    assert sorted(x["custom_id"] for x in exported) == sorted(r["id"] for r in rows)
+    assert all(x["error"] is None for x in exported)
+
+    # Nothing the run needed was refused: Redis logged no denial but RQ's CLIENT LIST (it lists every
+    # client; RQ then records its address as "unknown").
+    denied = {(e[b"username"].decode(), e[b"object"].decode()) for e in
+              (dict(zip(entry[::2], entry[1::2], strict=True)) if isinstance(entry, list) else entry
+               for entry in admin.execute_command("ACL", "LOG"))}
+    print("ACL LOG denials:", denied)
+    assert denied <= {("worker", "client|list")}, denied
+
+    # What each user may not do.
+    worker = redis.Redis.from_url(url("worker"))
+    spec = b'{"generation": 9, "strategy": "no_radix"}'
+    for attempt in (lambda: worker.hset(fleet.k.control, "fleet", spec), lambda: worker.delete(fleet.k.control),
+                    lambda: worker.hset(fleet.k.meta, "host", "evil"), lambda: worker.flushall(),
+                    lambda: worker.keys("*"), lambda: worker.config_get("*"),
+                    lambda: worker.publish("rq:pubsub:x", "y")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+    viewer = redis.Redis.from_url(url("viewer"))
+    assert viewer.hgetall(fleet.k.stats)  # it reads
+    for attempt in (lambda: viewer.set("x", 1), lambda: viewer.hset(fleet.k.control, "fleet", spec),
+                    lambda: viewer.lpush(fleet.k.queue(fleet.queue(0)), "bf-x"), lambda: viewer.delete(fleet.k.stats),
+                    lambda: viewer.xadd(fleet.k.events, {"e": "x"}), lambda: viewer.hincrby(fleet.k.stats, "x", 1),
+                    lambda: viewer.publish("rq:pubsub:x", "y"), lambda: viewer.eval("return 1", 0)):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+    supervisor = redis.Redis.from_url(url("supervisor"))
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        supervisor.lpush(fleet.k.queue(fleet.queue(0)), "bf-x")  # it steers the fleet; it does not feed it
+    assert admin.llen(fleet.k.queue(fleet.queue(0))) == 0 and admin.exists("x") == 0
+    assert orjson.loads(admin.hget(fleet.k.control, "queue:" + fleet.queue(0)))["generation"] == 1
+
+
+def test_the_shipped_acl_file_loads_and_locks_everyone_out_until_edited(tmp_path, cleanup):
+    shipped = Path(__file__).resolve().parents[1] / "docs" / "batchfleet.acl"
+    acl = tmp_path / "users.acl"
+    # The operator's edit the docs describe: one user turned on with a password.
+    acl.write_text(shipped.read_text().replace("user viewer reset off nopass", "user viewer reset on >viewer-pw"))
+    server = RedisServer(tmp_path, "--aclfile", str(acl), user="viewer", password="viewer-pw")
+    server.start()  # it loads (a syntax error aborts redis-server) and the viewer can log in
+    cleanup.append(server)
+    with pytest.raises(redis.AuthenticationError):
+        anonymous(server.port).ping()
+    for role in ("producer", "head", "worker", "supervisor", "admin"):
+        with pytest.raises(redis.AuthenticationError):
+            anonymous(server.port, username=role, password="").ping()
+    viewer = redis.Redis.from_url(server.url)
+    assert viewer.acl_whoami() == "viewer"
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        viewer.set("x", 1)

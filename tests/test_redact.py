@@ -109,3 +109,15 @@ def test_private_dir_and_file_modes_whatever_the_umask(tmp_path) -> None:
         assert stat.S_IMODE(p.stat().st_mode) == 0o700
     for p in (d / "log", loose):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600
+
+
+def test_the_shipped_acl_example_is_what_the_generator_writes() -> None:
+    from pathlib import Path
+
+    from batchfleet.acl import acl_file
+
+    shipped = Path(__file__).resolve().parents[1] / "docs" / "batchfleet.acl"
+    assert shipped.read_text() == acl_file(), "regenerate: python -m batchfleet.acl > docs/batchfleet.acl"
+    lines = shipped.read_text().splitlines()
+    assert lines[0].startswith("user default off")
+    assert all(" off nopass " in line for line in lines[1:])  # no known password ships

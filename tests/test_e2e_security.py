@@ -200,8 +200,16 @@ def test_a_full_run_where_each_role_is_its_own_acl_user(tmp_path, cleanup):
     fleet.start_head(env=as_["head"])
     for gpu in (0, 1):
         fleet.start_worker(gpu, env=as_["worker"])
+    autopilot = subprocess.Popen([str(BIN / "supervisor"), "run", "--dry-run", "--window", "1", "--sample", "0.25"],
+                                 env={**fleet.env, **as_["supervisor"]}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+    fleet.procs.append(autopilot)  # type: ignore[arg-type]
     fleet.wait_for(lambda: fleet.finished() >= len(rows), 120, "every prompt")
     fleet.wait_for(lambda: len(fleet.statuses()) == 2, 30, "both status records")
+    fleet.wait_for(lambda: admin.xlen(fleet.k.history) >= 2, 30, "the autopilot's history samples")
+    autopilot.terminate()
+    said = autopilot.communicate(timeout=30)[0]
+    assert autopilot.returncode == 0 and "NOPERM" not in said and "lost Redis" not in said, said
 
     # The supervisor changes one GPU's spec (its user may write the control hash); the worker follows.
     cli("supervisor", "supervisor", "restart", "--strategy", "default", "--mem-fraction-static", "0.8",

@@ -8,6 +8,7 @@ kills everything it started when it ends.
 from __future__ import annotations
 
 import secrets
+import shutil
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -280,3 +281,88 @@ def test_the_shipped_acl_file_loads_and_locks_everyone_out_until_edited(tmp_path
     assert viewer.acl_whoami() == "viewer"
     with pytest.raises(redis.exceptions.NoPermissionError):
         viewer.set("x", 1)
+
+
+# --- 8.4: TLS for real ------------------------------------------------------------------------------------
+
+
+def make_ca_and_server_cert(d: Path, name: str = "ca") -> tuple[Path, Path, Path]:
+    """A throw-away CA and a server certificate it signed, for 127.0.0.1/localhost: (ca, cert, key)."""
+    ca_key, ca, key, csr, cert, ext = (d / f"{name}.key", d / f"{name}.pem", d / f"{name}-server.key",
+                                       d / f"{name}-server.csr", d / f"{name}-server.pem", d / f"{name}-ext.cnf")
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for argv in (["req", "-x509", *ec, "-days", "2", "-subj", f"/CN=batchfleet test {name}", "-keyout", ca_key,
+                  "-out", ca],
+                 ["req", *ec, "-subj", "/CN=localhost", "-keyout", key, "-out", csr],
+                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2",
+                  "-extfile", ext, "-out", cert]):
+        subprocess.run(["openssl", *map(str, argv)], check=True, capture_output=True, timeout=60)
+    return ca, cert, key
+
+
+class TLSRedisServer(RedisServer):
+    """redis-server listening on TLS only (`--port 0 --tls-port N`), a password required."""
+
+    def __init__(self, workdir: Path, *, ca: Path, cert: Path, key: Path, password: str) -> None:
+        super().__init__(workdir, "--port", "0", password=password)
+        self.extra_args = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
+                           "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no",
+                           "--requirepass", password]
+        self.ca = ca
+
+    @property
+    def url(self) -> str:
+        return f"rediss://:{self.password}@127.0.0.1:{self.port}/0?ssl_ca_certs={self.ca}"
+
+
+def tls_support() -> str | None:
+    """Why TLS cannot be tested here, or None."""
+    exe = shutil.which("redis-server")
+    if exe is None or shutil.which("openssl") is None:
+        return "redis-server or openssl is not installed"
+    # A build with TLS fails on the missing certificate; one without fails on the directive itself.
+    probe = subprocess.run([exe, "--port", "0", "--tls-port", "1", "--tls-cert-file", "/nonexistent", "--save", ""],
+                           capture_output=True, text=True, timeout=60)
+    out = probe.stdout + probe.stderr
+    if "Failed to configure TLS" not in out:
+        return f"this redis-server does not support TLS (--tls-port): {out.strip().splitlines()[-1:]}"
+    return None
+
+
+def test_a_fleet_over_tls_with_a_throwaway_ca(tmp_path, cleanup):
+    reason = tls_support()
+    if reason:
+        pytest.skip(reason)
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    ca, cert, key = make_ca_and_server_cert(certs)
+    password = "pw-tls-" + secrets.token_hex(6)
+    server = TLSRedisServer(tmp_path / "certs", ca=ca, cert=cert, key=key, password=password)
+    server.start()  # pings over TLS, verifying the server's certificate against the CA
+    cleanup.append(server)
+
+    # TLS only, and verified: plain TCP gets no answer, another CA's client refuses the server.
+    with pytest.raises(redis.ConnectionError):
+        anonymous(server.port, password=password, socket_timeout=3).ping()
+    other_ca, _, _ = make_ca_and_server_cert(certs, "other")
+    with pytest.raises(redis.ConnectionError, match=r"(?i)certificate verify failed"):
+        redis.Redis.from_url(server.url.replace(str(ca), str(other_ca)), retry=None).ping()
+
+    fleet = Fleet(tmp_path, server.url, run="tls", prefix="tls.", gpus=2, env={"BATCHFLEET_SHUTDOWN_GRACE_S": "5"})
+    cleanup.append(fleet)
+    rows = write_prompts(tmp_path / "prompts.jsonl", 30, max_tokens=24)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    fleet.start_head()
+    for gpu in (0, 1):
+        fleet.start_worker(gpu)
+    fleet.wait_for(lambda: fleet.finished() >= len(rows), 120, "every prompt over TLS")
+    status = orjson.loads(fleet.producer("status", "--json").stdout)
+    assert status["redis"] == f"rediss://:***@127.0.0.1:{server.port}/0?ssl_ca_certs={ca}"
+    fleet.producer("export", "results.jsonl")
+    assert fleet.stop_all() == {0: 0, 1: 0}
+    exported = [orjson.loads(x) for x in (tmp_path / "results.jsonl").read_bytes().splitlines()]
+    assert sorted(x["custom_id"] for x in exported) == sorted(r["id"] for r in rows)
+    assert all(x["error"] is None for x in exported)
+    clients = redis.Redis.from_url(server.url).info("stats")
+    assert clients["total_connections_received"] >= 5  # the workers, the head and the CLIs all came over TLS

@@ -11,6 +11,8 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | rq:wip:<q> | zset | worker | RQ's started registry (`rq info` "executing") |
 | rq:failed:<q> | zset | worker | RQ's failed registry (`rq requeue` works on it) |
 | rq:results:<id> | stream | RQ | a stock RQ worker's record of a job it ran (deleted by `producer recover`) |
+| rq:worker:<name> | hash | RQ (worker) | RQ's worker registration (`rq info`); also sets rq:workers, rq:workers:<q> |
+| rq:pubsub:<name> | channel | RQ | RQ's commands to one worker (`shutdown`: drain, exit 75) |
 | bf:<run>:leases | zset | worker | "<job id>:<execution id>" -> expiry, Redis's clock (TIME); lapses if not renewed |
 | bf:<run>:strikes | hash | worker | job id -> server deaths it was in (STRIKES_TTL_S; field gone when it finishes) |
 | bf:<run>:suspects | list | worker | queued job ids with 1 strike: a worker runs at most one beside its normal work |

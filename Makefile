@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench clean acl
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ bench: install
 	$(BIN)/python bench/bench_enqueue.py
 	$(BIN)/python bench/bench_dispatch.py
 	$(BIN)/python bench/bench_window.py --n 200000
+
+# Redis ACL users, one per role (see docs/security.md): users.acl for `redis-server --aclfile`, and the
+# passwords (random on first use, kept after) in users.passwords, both mode 0600.
+acl: install
+	$(BIN)/python -m batchfleet.acl --passwords users.passwords --out users.acl
+	@echo "wrote users.acl and users.passwords (0600); load with: redis-server --aclfile $$PWD/users.acl"
 
 clean:
 	rm -rf var/ .batchfleet/ .pytest_cache/ .ruff_cache/

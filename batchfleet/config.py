@@ -20,6 +20,7 @@ from typing import Any, get_type_hints
 from .errors import ConfigError
 from .keys import valid_queue_name
 from .records import STRATEGIES
+from .redact import MASK, redact_argv, redact_url
 
 __all__ = ["DEFAULT_QUEUE", "DEFAULT_QUEUE_PATTERN", "STRATEGIES", "Config", "expand_queues",
            "gpu_index_for_queue", "queue_host"]
@@ -37,7 +38,7 @@ DEFAULT_QUEUE_PATTERN = r"(?:[A-Za-z0-9_-]+\.)*gpu\d+"
 _RANGE = re.compile(r"\[(\d+)-(\d+)\]")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class Config:
     # Where the fleet meets.
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -108,6 +109,20 @@ class Config:
             shlex.split(self.sglang_cmd + " " + self.server_args)
         except ValueError as exc:
             raise ConfigError(f"sglang_cmd/server_args do not parse as shell words: {exc}") from exc
+
+    def __repr__(self) -> str:
+        """Secrets hidden: a configuration may end up in a log line or a traceback."""
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "redis_url":
+                value = redact_url(value)
+            elif f.name == "server_api_key" and value:
+                value = MASK
+            elif f.name == "server_args":
+                value = shlex.join(redact_argv(shlex.split(value)))
+            shown.append(f"{f.name}={value!r}")
+        return f"Config({', '.join(shown)})"
 
     # ------------------------------------------------------------------------------------------
     @classmethod

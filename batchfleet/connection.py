@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import redis
 
+from .redact import redact_url
+
 __all__ = ["CONNECT_TIMEOUT_S", "SOCKET_TIMEOUT_S", "async_client_like", "connect", "redacted", "with_timeouts"]
 
 # For a worker on another host than Redis: a command that gets no answer for this long fails (and
@@ -50,14 +52,8 @@ def with_timeouts(conn: redis.Redis) -> redis.Redis:
 
 
 def redacted(url: str) -> str:
-    """The URL with its password hidden, for logs and status lines."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(":" + parts.password + "@", ":***@")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
+    """The URL with its password hidden (userinfo and `?password=`), for logs and status lines."""
+    return redact_url(url)
 
 
 def async_client_like(conn: redis.Redis) -> redis.asyncio.Redis:

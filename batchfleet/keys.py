@@ -11,6 +11,8 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | rq:wip:<q> | zset | worker | RQ's started registry (`rq info` "executing") |
 | rq:failed:<q> | zset | worker | RQ's failed registry (`rq requeue` works on it) |
 | rq:results:<id> | stream | RQ | a stock RQ worker's record of a job it ran (deleted by `producer recover`) |
+| rq:worker:<name> | hash | RQ (worker) | RQ's worker registration (`rq info`); also sets rq:workers, rq:workers:<q> |
+| rq:pubsub:<name> | channel | RQ | RQ's commands to one worker (`shutdown`: drain, exit 75) |
 | bf:<run>:leases | zset | worker | "<job id>:<execution id>" -> expiry, Redis's clock (TIME); lapses if not renewed |
 | bf:<run>:strikes | hash | worker | job id -> server deaths it was in (STRIKES_TTL_S; field gone when it finishes) |
 | bf:<run>:suspects | list | worker | queued job ids with 1 strike: a worker runs at most one beside its normal work |
@@ -53,6 +55,14 @@ RQ_QUEUES = "rq:queues"
 RQ_STARTED_PREFIX = "rq:wip:"
 RQ_FAILED_PREFIX = "rq:failed:"
 RQ_RESULTS_PREFIX = "rq:results:"
+# RQ's keys batchfleet never builds names of, but which a Redis ACL must name (batchfleet.acl): a
+# worker's registration hash and indexes, its command channel, RQ's other registries and locks.
+RQ_WORKER_PREFIX = "rq:worker:"  # rq:worker:<name> (hash)
+RQ_WORKERS = "rq:workers"  # set of worker keys; rq:workers:<q> per queue
+RQ_PUBSUB_PREFIX = "rq:pubsub:"  # channel rq:pubsub:<worker name>: `rq.command.send_command`
+RQ_OTHER_REGISTRIES = ("rq:finished:", "rq:scheduled:", "rq:canceled:", "rq:deferred:")
+RQ_SUSPENDED = "rq:suspended"  # `rq suspend`
+RQ_CLEAN_LOCK_PREFIX = "rq:clean_registries:"
 
 # What a queue name may hold (it becomes part of RQ's key names and of log lines).
 QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import orjson
 
 from .errors import RecordError
+from .redact import redact_argv
 
 __all__ = [
     "ENDPOINTS",
@@ -269,6 +270,13 @@ class WorkerStatus:
     facts: ServerFacts | None = None  # None until the server has started (or from an older worker)
     message: str = ""
     ts: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        # The server's command line may hold its API key (`--api-key K`): never in a record, whoever
+        # built it (this worker, or an older one whose record is read back).
+        flags = redact_argv(self.server_flags) if isinstance(self.server_flags, list) else self.server_flags
+        if flags != self.server_flags:
+            object.__setattr__(self, "server_flags", flags)
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))

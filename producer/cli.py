@@ -23,6 +23,7 @@ from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.marker import repair_command
+from batchfleet.redact import Scrubber
 
 from . import api
 from .collect import collect_once
@@ -222,17 +223,23 @@ def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     config = None
+    scrub = Scrubber([])
+
+    def fail(text: str) -> None:
+        print(f"producer: {scrub(text)}", file=sys.stderr)
+
     try:
         config = Config.from_env(run=args.run, redis_url=args.redis_url, state_dir=args.state_dir)
+        scrub = Scrubber.for_config(config)
         return _run(args, config)
     except (UsageError, ConfigError, StoreError) as exc:
-        print(f"producer: {exc}", file=sys.stderr)
+        fail(str(exc))
     except redis.RedisError as exc:
         url = redacted(config.redis_url) if config else "?"
-        print(f"producer: Redis at {url} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        fail(f"Redis at {url} failed: {type(exc).__name__}: {exc}")
     except sqlite3.Error as exc:
         path = config.results_db if config else "?"
-        print(f"producer: store {path}: {exc}", file=sys.stderr)
+        fail(f"store {path}: {exc}")
     except KeyboardInterrupt:
         print("producer: interrupted (what was written is kept: run the same command again to complete it)",
               file=sys.stderr)

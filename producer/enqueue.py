@@ -23,6 +23,7 @@ from typing import IO, Any
 import orjson
 
 from batchfleet.records import ENDPOINTS
+from batchfleet.redact import private_file
 
 from .parse import Reject, parse_line
 from .progress import Reporter
@@ -65,7 +66,7 @@ class _Rejects:
     def write(self, file: str, line: int, reason: str, raw: bytes) -> None:
         if self.fh is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.fh = open(self.path, "wb")  # noqa: SIM115 (held open across calls)
+            self.fh = private_file(self.path, "wb")  # 0600: rejected lines are prompts, maybe private
         text = raw.decode("utf-8", "replace").rstrip("\r\n")
         self.fh.write(orjson.dumps({"file": file, "line": line, "reason": reason, "text": text}) + b"\n")
 

@@ -32,6 +32,7 @@ from batchfleet.connection import connect, redacted
 from batchfleet.errors import RecordError
 from batchfleet.keys import STORE_WAITING, Keys
 from batchfleet.marker import RunMarker, read_marker, repair_command
+from batchfleet.redact import Scrubber
 
 from .collect import CollectSummary, collect_once
 from .feed import DrainMeter, Feeder, read_fleet_view
@@ -64,9 +65,10 @@ class Head:
         self.said_foreign = 0
         self.said_errors: set[str] = set()
         self.stop = threading.Event()
+        self._scrub = Scrubber.for_config(config)  # an error text never prints a secret
 
     def say(self, text: str) -> None:
-        print(f"head: {text}", file=self.log, flush=True)
+        print(f"head: {self._scrub(text)}", file=self.log, flush=True)
 
     # --- the loop -----------------------------------------------------------------------------------
     def run(self, *, until: float | None = None) -> int:

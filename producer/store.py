@@ -34,6 +34,7 @@ from enum import IntEnum
 from pathlib import Path
 
 from batchfleet.records import ENDPOINTS
+from batchfleet.redact import private_dir
 
 __all__ = ["UNBOUNDED_COST", "MissingStore", "State", "Store", "StoreError"]
 
@@ -112,7 +113,7 @@ class Store:
         """Open the store at `path`, creating it (mode 0600, its directory 0700) when missing."""
         path = path.absolute()
         if not path.exists():
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dir(path.parent)
             fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
             os.close(fd)
         db = cls._connect(path, readonly=False)

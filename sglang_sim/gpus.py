@@ -47,9 +47,11 @@ def _alive(pid: int) -> bool:
 
 def write_usage(index: int, *, used_mib: int, total_mib: int) -> None:
     d = gpu_dir()
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = d / f".{index}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"index": index, "total_mib": total_mib, "used_mib": used_mib, "pid": os.getpid()}))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"index": index, "total_mib": total_mib, "used_mib": used_mib, "pid": os.getpid()}))
     tmp.replace(d / f"{index}.json")
 
 

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         f"port={state.flags['port']}, mem_fraction_static={state.plan.mem_fraction_static}, "
         f"max_running_requests={state.flags.get('max_running_requests')}, "
         f"{'mamba_scheduler_strategy' if state.legacy else 'mamba_radix_cache_strategy'}='{state.strategy}', "
-        f"disable_overlap_schedule={not state.overlap}, ...)")
+        f"disable_overlap_schedule={not state.overlap}, api_key={state.flags.get('api_key')!r}, ...)")
     if faults.fail_startup:
         return _fatal("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
                       f"GPU 0 has a total capacity of {state.profile.gpu_total_gb:.2f} GiB of which 1.12 GiB is free.")

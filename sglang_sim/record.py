@@ -26,8 +26,11 @@ class Recorder:
     def __init__(self, *, version: str, argv: list[str], flags: dict[str, Any], strategy: str,
                  effective: int, profile: str, gpu_index: int) -> None:
         self.path = Path(os.environ["SGLANG_SIM_RECORD"]) if os.environ.get("SGLANG_SIM_RECORD") else None
+        # The record is for tests and may be read by anyone who can read the run's files: like the
+        # logs batchfleet writes, it never holds the API key (the record says only that one was set).
         self.static = {
-            "pid": os.getpid(), "version": version, "argv": argv, "flags": flags, "strategy": strategy,
+            "pid": os.getpid(), "version": version, "argv": _redact_argv(argv),
+            "flags": {k: ("***" if k in SECRET_FLAGS and v else v) for k, v in flags.items()}, "strategy": strategy,
             "effective_max_running_requests": effective, "profile": profile, "gpu_index": gpu_index,
         }
         self.requests_by_endpoint: Counter[str] = Counter()
@@ -75,5 +78,21 @@ class Recorder:
         if not self.path:
             return
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.snapshot(), default=str))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.snapshot(), default=str))
         tmp.replace(self.path)
+
+
+SECRET_FLAGS = frozenset({"api_key", "admin_api_key", "ssl_keyfile_password"})
+
+
+def _redact_argv(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    hide = False
+    for token in argv:
+        flag, eq, _ = token.partition("=")
+        secret = flag.startswith("--") and flag[2:].replace("-", "_") in SECRET_FLAGS
+        out.append("***" if hide else f"{flag}=***" if secret and eq else token)
+        hide = secret and not eq
+    return out

@@ -26,6 +26,7 @@ from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.records import ServerSpec
+from batchfleet.redact import Scrubber
 
 from .autopilot import Settings, State
 from .classify import WindowReport, classify_window
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             r.ping()
         except Exception as exc:
-            print(f"supervisor: cannot reach Redis at {redacted(config.redis_url)}: {exc}", file=sys.stderr)
+            print(f"supervisor: cannot reach Redis at {redacted(config.redis_url)}: "
+                  f"{Scrubber.for_config(config)(str(exc))}", file=sys.stderr)
             return 2
     if args.command == "watch":
         if args.once:
@@ -179,8 +181,9 @@ def _autopilot(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys
                   queue_pattern=config.queue_pattern, metrics=metrics, should_stop=lambda: stop["now"],
                   redis_label=redacted(config.redis_url))
     live_view = args.command == "watch" and sys.stdout.isatty()
+    scrub = Scrubber.for_config(config)
     if not live_view:
-        run_autopilot(r, k, say=lambda s: print(s, flush=True), **common)  # type: ignore[arg-type]
+        run_autopilot(r, k, say=lambda s: print(scrub(s), flush=True), **common)  # type: ignore[arg-type]
         return 0
     console = Console()
     with Live(console=console, refresh_per_second=2, transient=False) as live:
@@ -188,7 +191,7 @@ def _autopilot(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys
             live.update(render(snap, report=report, width=console.width,
                                phase=phase_line(state, dry_run=settings.dry_run)))
 
-        run_autopilot(r, k, say=lambda s: live.console.print(s, highlight=False), show=show,  # type: ignore[arg-type]
+        run_autopilot(r, k, say=lambda s: live.console.print(scrub(s), highlight=False), show=show,  # type: ignore[arg-type]
                       **common)
     return 0
 

@@ -3,6 +3,7 @@ and the run's counters. The supervisor never talks to a server; workers may be o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -126,7 +127,9 @@ def read_fleet(r: redis.Redis, k: Keys, *, queue_pattern: str = r"gpu\d+", event
         except RecordError as exc:
             skip_record(f"status of {name}", exc)
     if gone:
-        r.srem(k.workers, *gone)
+        # A read-only user (the ACL's viewer) may not: the names stay until a supervisor drops them.
+        with contextlib.suppress(redis.exceptions.NoPermissionError):
+            r.srem(k.workers, *gone)
     # One record per queue (a GPU's stable identity): a worker killed and restarted under a new name
     # leaves its old record until it expires; the newest of the same queue is the live one.
     newest: dict[str, WorkerStatus] = {}

@@ -23,18 +23,20 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server subprocess the tests own."""
 
-    def __init__(self, workdir: Path, *extra_args: str, password: str = "",
+    def __init__(self, workdir: Path, *extra_args: str, password: str = "", user: str = "",
                  bind: tuple[str, ...] = ("127.0.0.1",)) -> None:
         self.port = free_port()
         self.bind = bind  # the first address is the one `url` names (e.g. a test LAN's, tests/hosts.py)
         self.workdir = workdir
-        self.extra_args = [*extra_args, *(["--requirepass", password] if password else [])]
+        # With `user` (an ACL user, e.g. from an --aclfile), `password` is that user's, not requirepass.
+        self.extra_args = [*extra_args, *(["--requirepass", password] if password and not user else [])]
         self.password = password
+        self.user = user
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
+        auth = f"{self.user}:{self.password}@" if self.password else ""
         return f"redis://{auth}{self.bind[0]}:{self.port}/0"
 
     def start(self) -> None:

@@ -205,3 +205,19 @@ def test_a_server_death_strikes_only_the_prompts_inside_it(r, redis_url):
     assert sorted(r.lrange("rq:queue:gpu0", 0, -1)) == sorted([ids["c2"].encode(), ids["c3"].encode()])
     assert {f.decode(): int(v) for f, v in r.hgetall(k.strikes).items()} == {ids["c0"]: 1, ids["c1"]: 1}
     assert r.zcard(k.leases) == 0 and r.xlen(k.results) == 0
+
+
+def test_a_failure_message_quoting_a_secret_is_scrubbed_in_the_result_and_the_failed_registry(r, redis_url):
+    enqueue(r, 2)
+
+    class Leaky(Backend):
+        async def __call__(self, prompt: Prompt) -> dict:
+            if prompt.cid == "c1":
+                raise PromptError("HTTP 400: bad header Authorization: Bearer sk-leaky-key-123", status_code=400)
+            return await super().__call__(prompt)
+
+    run_burst(redis_url, Leaky(), capacity=2, server_api_key="sk-leaky-key-123")
+    got = results(r)
+    assert got["c1"].error["message"] == "HTTP 400: bad header Authorization: Bearer ***"
+    assert b"sk-leaky-key-123" not in b"".join(v for k in r.keys("*") if r.type(k) == b"hash"
+                                               for v in r.hvals(k))

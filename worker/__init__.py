@@ -26,6 +26,7 @@ from rq.worker import BaseWorker
 from batchfleet.config import Config, gpu_index_for_queue, queue_host
 from batchfleet.connection import async_client_like, with_timeouts
 from batchfleet.errors import ConfigError
+from batchfleet.redact import Scrubber, install_log_scrubbing
 from batchfleet.serializer import OrjsonSerializer
 
 from .lock import ServerLock, ServerTaken
@@ -78,6 +79,8 @@ class GPUWorker(BaseWorker):
         except ConfigError as exc:
             log.error("%s", exc)
             sys.exit(EXIT_CONFIG)
+        scrub = Scrubber.for_config(config)
+        install_log_scrubbing(scrub)
         lock = ServerLock(config.server_host, config.port_for(gpu), gpu=gpu)
         try:
             lock.acquire()  # before registering with RQ: a refused duplicate leaves no trace there
@@ -85,6 +88,7 @@ class GPUWorker(BaseWorker):
             log.error("%s", exc)
             sys.exit(EXIT_SERVER_TAKEN)
         self.bootstrap(logging_level, date_format, log_format)
+        install_log_scrubbing(scrub)  # RQ's own handlers exist now
         code = 1
         try:
             code = asyncio.run(self._serve(config, queue, gpu, burst))

@@ -36,6 +36,7 @@ from batchfleet.errors import JobRefused, PromptError, RecordError, RetryableErr
 from batchfleet.jobs import ALLOWED
 from batchfleet.prompts import InvalidPrompt, check_body
 from batchfleet.records import Prompt, Result, job_id_for
+from batchfleet.redact import Scrubber
 
 from .ledger import MAX_STRIKES, Claim, ClaimKind, DeathOutcome, Ledger, parse_job_data
 from .slots import Slots
@@ -79,6 +80,7 @@ class Dispatcher:
         self.server_ok = server_ok
         self.clock = clock or _wall_clock
         self.on_completion = on_completion  # completion tokens of each success (throughput meter)
+        self.scrub = Scrubber.for_config(config)  # error texts become results, exports and log lines
         self.slots = Slots(0)
         self.tasks: dict[asyncio.Task[None], Flight] = {}
         self.accepting = asyncio.Event()  # cleared while paused (server restarting) or stopping
@@ -325,6 +327,7 @@ class Dispatcher:
     def _fail(self, flight: Flight, status: int, code: str, message: str) -> None:
         assert flight.prompt is not None
         prompt = flight.prompt
+        message = self.scrub(message)
         result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=status,
                         error={"code": code, "message": message}, worker=self.worker, attempts=flight.attempts,
                         finished_at=self.clock())
@@ -378,9 +381,7 @@ class Dispatcher:
         prompt = flight.prompt
         if prompt is None:
             return None
-        tail = log_tail[-LOG_TAIL_CHARS:]
-        if self.config.server_api_key:
-            tail = tail.replace(self.config.server_api_key, "<redacted>")
+        tail = self.scrub(log_tail[-LOG_TAIL_CHARS:])
         message = (f"the server died {MAX_STRIKES} times with this prompt inside, the last time with nothing else "
                    f"in it; quarantined, never run again. Last death: {reason}\n--- server log (tail) ---\n{tail}")
         return Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=0,

@@ -18,15 +18,19 @@ log = logging.getLogger("batchfleet.worker")
 
 
 class EventLog:
-    def __init__(self, client: aioredis.Redis, keyspace: Keys, *, source: str, clock: Callable[[], float]) -> None:
+    def __init__(self, client: aioredis.Redis, keyspace: Keys, *, source: str, clock: Callable[[], float],
+                 scrub: Callable[[str], str] = str) -> None:
         self.r = client
         self.k = keyspace
         self.source = source
         self.clock = clock
+        self.scrub = scrub  # an event's text may quote an error: never a secret in it
 
     async def emit(self, kind: str, message: str, **data: object) -> None:
         """Log it, and record it in Redis when Redis answers (an outage costs the record, not the worker)."""
         data.pop("since", None)
+        message = self.scrub(message)
+        data = {k: self.scrub(v) if isinstance(v, str) else v for k, v in data.items()}
         event = Event(kind=kind, message=message, source=self.source, data=data, ts=self.clock())
         log.info("%s: %s", kind, message)
         try:

@@ -13,8 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 import orjson
@@ -23,6 +25,7 @@ from batchfleet import sglang
 from batchfleet.config import Config
 from batchfleet.errors import ServerDied, ServerStartError
 from batchfleet.records import ServerFacts, ServerSpec
+from batchfleet.redact import Scrubber, private_dir, private_file, redact_argv
 
 from .facts import read_facts
 from .flags import ServerCLI, build_argv, read_server_cli
@@ -52,6 +55,8 @@ class SGLangServer:
         self.capacity = 0
         self.facts: ServerFacts | None = None  # what the running server said about itself at start-up
         self._cli: ServerCLI | None = None
+        self._scrub = Scrubber.for_config(config)
+        self._pump: _LogPump | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def start(self, spec: ServerSpec) -> int:
@@ -64,19 +69,29 @@ class SGLangServer:
         self.argv = build_argv(self.config, self._cli, port=self.port, strategy=spec.strategy,
                                mem_fraction_static=spec.mem_fraction_static,
                                max_running_requests=spec.max_running_requests)
-        self.flags = self.argv[len(shlex.split(self.config.sglang_cmd)):]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # The command line may hold the API key: everything written about it is redacted.
+        self.flags = redact_argv(self.argv[len(shlex.split(self.config.sglang_cmd)):])
+        shown = shlex.join(redact_argv(self.argv))
+        private_dir(self.config.state_dir)
+        private_dir(self.log_path.parent)
         await self._clear_leftover()
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(self.gpu))
-        with self.log_path.open("ab") as logf:
-            logf.write(f"\n===== batchfleet: starting {shlex.join(self.argv)} =====\n".encode())
+        logf = private_file(self.log_path, "ab")
+        try:
+            logf.write(f"\n===== batchfleet: starting {shown} =====\n".encode())
             logf.flush()
             self._log_offset = logf.tell()
             # Own session: a stop signals the whole group (SGLang forks scheduler/detokenizer processes).
-            self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+            # Its output comes through a pipe and is written with every secret scrubbed: SGLang prints
+            # its own arguments (`server_args=ServerArgs(... api_key=...)`) at start-up.
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, preexec_fn=_die_with_parent)
+        except BaseException:
+            logf.close()
+            raise
+        self._pump = _LogPump(self.proc, logf, self._scrub, name=f"gpu{self.gpu}-server-log")
         _write_pid_record(self.pid_path, self.proc.pid)
-        log.info("gpu%d: started server pid %d: %s", self.gpu, self.proc.pid, shlex.join(self.argv))
+        log.info("gpu%d: started server pid %d: %s", self.gpu, self.proc.pid, shown)
         await self._wait_ready()
         self.capacity = await self._discover_capacity()
         log.info("gpu%d: server ready at %s, effective max running requests = %d", self.gpu, self.url, self.capacity)
@@ -131,6 +146,7 @@ class SGLangServer:
         """Idempotent: SIGTERM the process group, wait, then SIGKILL."""
         proc, self.proc = self.proc, None
         if proc is None:
+            await asyncio.to_thread(self._drain_log, 1.0)
             return
         if proc.poll() is None:
             _signal_group(proc, signal.SIGTERM)
@@ -141,6 +157,7 @@ class SGLangServer:
                 _signal_group(proc, signal.SIGKILL)
                 await asyncio.to_thread(proc.wait, 10)
         _signal_group(proc, signal.SIGKILL)  # leftovers of the group, if any
+        await asyncio.to_thread(self._drain_log)
         log.info("gpu%d: server stopped (exit %s)", self.gpu, proc.returncode)
 
     async def _clear_leftover(self) -> None:
@@ -182,6 +199,7 @@ class SGLangServer:
         if code is not None:
             cls = ServerStartError if starting else ServerDied
             self.proc = None
+            self._drain_log(timeout_s=2.0)  # its last lines (the reason it died) into the log first
             raise cls(f"gpu{self.gpu}: server exited with status {code}", log_tail=self.log_tail())
 
     async def check_health(self, client: httpx.AsyncClient, *, timeout_s: float = 30.0) -> None:
@@ -197,6 +215,12 @@ class SGLangServer:
             raise ServerDied(f"gpu{self.gpu}: /health_generate answered {resp.status_code}")
 
     # --- logs ------------------------------------------------------------------------------------
+    def _drain_log(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until the server's output is all in the log file, then close it."""
+        pump, self._pump = self._pump, None
+        if pump is not None:
+            pump.finish(timeout_s)
+
     def _log_since_start(self) -> str:
         try:
             with self.log_path.open("rb") as f:
@@ -239,7 +263,7 @@ def _process_identity(pid: int) -> dict[str, object] | None:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            cmdline = redact_argv([a.decode(errors="replace") for a in f.read().split(b"\0") if a])
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()
     except (OSError, IndexError):
@@ -250,9 +274,11 @@ def _process_identity(pid: int) -> dict[str, object] | None:
 
 
 def _write_pid_record(path: Path, pid: int) -> None:
+    """The pid and identity of a server, its command line redacted (the file must not hold the API key)."""
     record = {"pid": pid, **(_process_identity(pid) or {})}
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(orjson.dumps(record))
+    with private_file(tmp, "wb") as f:
+        f.write(orjson.dumps(record))
     tmp.replace(path)
 
 
@@ -273,6 +299,37 @@ def _leftover_server(path: Path) -> int | None:
         log.warning("pid %d from %s is alive but is not the server recorded there (pid reused): left alone", pid, path)
         return None
     return pid
+
+
+class _LogPump:
+    """Copies a server's output into its log file line by line, every known secret scrubbed, on a
+    thread of its own (the server never blocks on a full pipe while the event loop is busy)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], out: IO[bytes], scrub: Scrubber, *, name: str) -> None:
+        self.proc = proc
+        self.out = out
+        self.scrub = scrub
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        pipe = self.proc.stdout
+        assert pipe is not None
+        try:
+            for line in iter(pipe.readline, b""):
+                self.out.write(self.scrub.bytes(line))
+                self.out.flush()
+        except (OSError, ValueError) as exc:  # the log file or the pipe went away
+            log.warning("server log copy stopped: %s", exc)
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                pipe.close()
+            with contextlib.suppress(OSError, ValueError):
+                self.out.close()
+
+    def finish(self, timeout_s: float) -> None:
+        """Wait for the end of the output (bounded: a leftover child may hold the pipe open)."""
+        self.thread.join(timeout_s)
 
 
 def _die_with_parent() -> None:

@@ -29,6 +29,7 @@ from batchfleet.config import Config
 from batchfleet.keys import Keys
 from batchfleet.marker import MarkerWatch
 from batchfleet.records import Prompt, WorkerStatus
+from batchfleet.redact import Scrubber
 
 from .clock import Clock
 from .dispatcher import Dispatcher
@@ -62,7 +63,8 @@ class GPUService:
         self.server = SGLangServer(config, gpu=gpu, port=config.port_for(gpu))
         self.ledger = Ledger(client, self.k, worker=worker, lease_ttl_s=config.lease_ttl_s)
         self.meter = ThroughputMeter()
-        self.events = EventLog(client, self.k, source=worker, clock=self.clock)
+        self.scrub = Scrubber.for_config(config)
+        self.events = EventLog(client, self.k, source=worker, clock=self.clock, scrub=self.scrub)
         self.steal = StealOrder(client, queue=queue, pattern=config.queue_pattern,
                                 period_s=max(0.5, config.lease_ttl_s / 3))
         self.dispatcher = Dispatcher(self.ledger, self._generate, config=config, worker=worker, queues=self.steal,
@@ -166,4 +168,4 @@ class GPUService:
             slots=self.dispatcher.slots.capacity, facts=self.server.facts,
             in_flight=self.dispatcher.in_flight, done=self.dispatcher.done, failed=self.dispatcher.failed,
             tokens_per_s=round(self.meter.tokens_per_s(), 1), metrics=self.reporter.metrics,
-            message=self.keeper.message, ts=self.clock())
+            message=self.scrub(self.keeper.message), ts=self.clock())

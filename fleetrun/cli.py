@@ -109,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the supervisor only advises (`supervisor watch --dry-run`): it restarts nothing")
     r.add_argument("--state-dir", type=Path,
                    help="the run's store, logs and private Redis (BATCHFLEET_STATE_DIR; default .batchfleet)")
+    r.add_argument("--rejects", type=Path, metavar="FILE",
+                   help="rejected input lines go here (default: <state dir>/<run>.rejects.jsonl)")
     r.add_argument("--model", help="body.model when a line has none (default: BATCHFLEET_MODEL_PATH)")
     r.add_argument("--no-supervisor", action="store_true", help="do not start `supervisor watch`")
     r.add_argument("--progress-every", type=float, default=5.0, metavar="S",
@@ -128,14 +130,16 @@ class Screen:
         self.last = 0.0
         self.last_done = -1
         self.bar: Any = None
-        if stream.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[info]}"), console=Console(file=stream), transient=False)
-            self.task = self.bar.add_task("run", total=None, info="")
-            self.bar.start()
+    def _start_bar(self) -> None:
+        """On a terminal, the bar starts with the first progress (enqueue's own bar is done by then)."""
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), console=Console(file=self.stream), transient=False)
+        self.task = self.bar.add_task("run", total=None, info="")
+        self.bar.start()
 
     def say(self, text: str) -> None:
         if self.bar is not None:
@@ -146,6 +150,8 @@ class Screen:
     def progress(self, p: dict[str, Any], *, force: bool = False) -> None:
         tps = f"{p['fleet_tokens_per_s']:,.0f} tok/s" if p["fleet_tokens_per_s"] else "no tok/s yet"
         info = f"ETA {p['eta']}  {tps}  workers {p['workers']['fresh']}"
+        if self.bar is None and self.stream.isatty():
+            self._start_bar()
         if self.bar is not None:
             self.bar.update(self.task, total=p["prompts"], completed=p["done"], info=info)
             return
@@ -292,7 +298,7 @@ def _serve(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys
     r = connect(config.redis_url)
     queues = tuple(f"{run}.gpu{g}" for g in gpus)
     done = api.enqueue(config, r, args.file, queues=queues, explicit=True, model=args.model or config.model_path,
-                       rejects_path=None, progress=False)
+                       rejects_path=args.rejects or config.state_dir / f"{run}.rejects.jsonl", progress=True)
     store: Store = done.store
     try:
         s = done.summary

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,7 +62,9 @@ def open_input(path: Path | str) -> IO[bytes]:
         return gzip.open(path, "rb")
     if kind == "zst":
         zstd = _zstandard()
-        return zstd.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        # the stream reader reads blocks only: a buffered reader on top gives lines
+        reader = zstd.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)  # noqa: SIM115
+        return io.BufferedReader(reader)
     return open(path, "rb")
 
 

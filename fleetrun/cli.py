@@ -53,6 +53,8 @@ __all__ = ["main", "parse_gpus"]
 
 EXIT_OK, EXIT_ATTENTION, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 BIN = Path(sys.executable).parent
+REDIS_HELP = ("Redis URL, used when it answers (default: BATCHFLEET_REDIS_URL, else REDIS_URL; none, or none "
+              "answering: a private redis-server with an append-only file in the state dir)")
 
 
 class UsageError(Exception):
@@ -94,12 +96,13 @@ def run_name_for(path: Path) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="batchfleet", description="Run a JSONL file of prompts on this host's GPUs.")
-    add_common(p)
+    add_common(p, redis_help=REDIS_HELP)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="enqueue, serve on this host's GPUs, watch, export (resumable)",
                        description=__doc__.split("\n\n")[0],
                        parents=[common_parent(run_help="run name (default: BATCHFLEET_RUN, else the input "
-                                                       "file's name: re-running the same command resumes)")])
+                                                       "file's name: re-running the same command resumes)",
+                                                       redis_help=REDIS_HELP)])
     r.add_argument("file", type=Path, help="JSONL input (.jsonl, .jsonl.gz, .jsonl.zst)")
     r.add_argument("-o", "--output", type=Path, required=True, metavar="OUT",
                    help="the OpenAI batch output file (.jsonl, .jsonl.gz, .jsonl.zst by suffix)")

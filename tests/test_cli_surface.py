@@ -136,7 +136,7 @@ def test_ctrl_c_of_enqueue_says_what_is_stored_and_that_rerunning_resumes(redis_
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHFLEET_") and k != "REDIS_URL"}
     env.update(BATCHFLEET_REDIS_URL=redis_url, BATCHFLEET_RUN="ctrlc", BATCHFLEET_STATE_DIR=str(tmp_path / "s"))
     p = subprocess.Popen([str(BIN / "producer"), "enqueue", "-", "--queues", "gpu0", "--no-progress"], env=env,
-                         stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+                         stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tmp_path)
     assert p.stdin is not None and p.stderr is not None
     p.stdin.write(b"not json\n")  # its reject message says the loop is reading
     p.stdin.flush()

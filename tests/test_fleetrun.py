@@ -182,3 +182,28 @@ def test_ctrl_c_drains_and_the_same_command_resumes_without_running_a_finished_p
     served_second = served(tmp_path)
     assert served_second <= after["pending"], (served_first, served_second, after)
     assert served_first + served_second >= n
+
+
+def test_a_server_that_cannot_start_shows_with_its_reason_and_no_traceback(tmp_path: Path, redis_url: str) -> None:
+    """A bad BATCHFLEET_SGLANG_CMD: the real worker says DOWN and why in its status record; `producer
+    status` and `supervisor status` show the reason; the worker's output has no traceback."""
+    from .fleet import Fleet
+
+    fleet = Fleet(tmp_path, redis_url, run="down", gpus=1, prefix="down.",
+                  env={"BATCHFLEET_SGLANG_CMD": f"{tmp_path / 'no-such-python'} -m sglang_sim"})
+    try:
+        write_prompts(tmp_path / "prompts.jsonl", 2)
+        fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+        fleet.start_worker(0)
+        fleet.wait_for(lambda: any(s.state == "down" for s in fleet.statuses()), 60, "a DOWN status record")
+        status = fleet.producer("status").stdout
+        assert re.search(r"worker \S+ \(queue down\.gpu0\): server DOWN: could not run \S*no-such-python", status), \
+            status
+        sup = subprocess.run([str(BIN / "supervisor"), "status"], env=fleet.env, capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path)
+        assert sup.returncode == 0 and "no-such-python" in sup.stdout and "down" in sup.stdout, sup.stdout
+        codes = fleet.stop_all()
+        assert codes == {0: 0}
+        assert "Traceback" not in fleet.worker_log(0) and "no-such-python" in fleet.worker_log(0)
+    finally:
+        fleet.kill_all()

@@ -189,7 +189,7 @@ def test_a_server_that_cannot_start_shows_with_its_reason_and_no_traceback(tmp_p
     status` and `supervisor status` show the reason; the worker's output has no traceback."""
     from .fleet import Fleet
 
-    fleet = Fleet(tmp_path, redis_url, run="down", gpus=1, prefix="down.",
+    fleet = Fleet(tmp_path, redis_url, run="down", gpus=2, prefix="down.",
                   env={"BATCHFLEET_SGLANG_CMD": f"{tmp_path / 'no-such-python'} -m sglang_sim"})
     try:
         write_prompts(tmp_path / "prompts.jsonl", 2)
@@ -205,5 +205,14 @@ def test_a_server_that_cannot_start_shows_with_its_reason_and_no_traceback(tmp_p
         codes = fleet.stop_all()
         assert codes == {0: 0}
         assert "Traceback" not in fleet.worker_log(0) and "no-such-python" in fleet.worker_log(0)
+        # no model path: a configuration error. The worker exits 2 with one line; its DOWN record says why
+        # until it expires
+        sim = f"{sys.executable} -m sglang_sim"
+        w = fleet.start_worker(1, env={"BATCHFLEET_MODEL_PATH": "", "BATCHFLEET_SGLANG_CMD": sim})
+        assert w.wait(60) == 2, fleet.worker_log(1)
+        assert "Traceback" not in fleet.worker_log(1) and "set BATCHFLEET_MODEL_PATH" in fleet.worker_log(1)
+        status = fleet.producer("status").stdout
+        why = r"\(queue down\.gpu1\): server DOWN: configuration error: .*set BATCHFLEET_MODEL_PATH"
+        assert re.search(why, status), status
     finally:
         fleet.kill_all()

@@ -364,12 +364,19 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
                + ("" if args.no_supervisor else ", the supervisor" + (" (advising only)" if args.dry_run else ""))
                + f"; logs in {logs}")
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    said_down: set[tuple[str, str]] = set()
     code = EXIT_OK
     try:
         while True:
             for e in events.new():
                 screen.say(event_line(e))
             p = gather_progress(r, keys, store)
+            for d in p["workers"]["not_serving"]:  # a server that cannot start: say why, once per reason
+                if d["state"] == "down" and (d["worker"], d["message"]) not in said_down:
+                    said_down.add((d["worker"], d["message"]))
+                    why = (d["message"] or "?").strip().splitlines()[0]
+                    log = logs / f"worker-{d['queue'].rpartition('.')[2]}.log"
+                    screen.say(f"{d['queue']}: server DOWN: {why} (see {log})")
             screen.progress(p)
             if p["pending"] == 0:
                 screen.progress(p, force=True)

@@ -22,7 +22,7 @@ import orjson
 import pytest
 import redis
 
-from batchfleet.keys import Keys
+from batchfleet.keys import RQ_QUEUES, Keys
 from batchfleet.records import Event
 from producer.store import Store
 
@@ -216,3 +216,28 @@ def test_a_server_that_cannot_start_shows_with_its_reason_and_no_traceback(tmp_p
         assert re.search(why, status), status
     finally:
         fleet.kill_all()
+
+
+def test_batchfleet_run_uses_redis_url_when_it_answers_and_says_why_a_server_is_down(
+        tmp_path: Path, redis_url: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    rows = write_prompts(tmp_path / "prompts.jsonl", 20, max_tokens=16)
+    bad = run_env(tmp_path, REDIS_URL=redis_url, BATCHFLEET_SGLANG_CMD=f"{tmp_path / 'no-such-python'} -m sglang_sim")
+    p = start(tmp_path, bad, procs)
+    deadline = time.monotonic() + 120
+    while "server DOWN" not in output(tmp_path, 0):
+        assert p.poll() is None and time.monotonic() < deadline, output(tmp_path, 0)
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(120) == 130, output(tmp_path, 0)
+    first = output(tmp_path, 0)
+    assert f"Redis: {redis_url}" in first and "private" not in first
+    assert re.search(r"prompts\.gpu[01]: server DOWN: could not run \S*no-such-python", first), first
+    assert first.count("server DOWN") == 2  # once per worker and reason, not once per second
+    r = redis.Redis.from_url(redis_url)
+    assert r.exists(Keys("prompts").meta)  # the run lives in that Redis, under its own queues
+    assert {Keys.queue_name(q) for q in r.smembers(RQ_QUEUES)} >= {"prompts.gpu0", "prompts.gpu1"}
+    good = run_env(tmp_path, REDIS_URL=redis_url, SGLANG_SIM_TIME_SCALE="40")
+    p2 = start(tmp_path, good, procs)
+    assert p2.wait(240) == 0, output(tmp_path, 1)
+    assert "0 new, 20 already in the store, 0 already finished" in output(tmp_path, 1)
+    check_export(tmp_path, rows)

@@ -42,7 +42,7 @@ from batchfleet.keys import Keys
 from batchfleet.records import Event
 from producer import api
 from producer.collect import collect_once
-from producer.export import ExportError, export
+from producer.export import ExportError, check_target, export
 from producer.inputs import MissingExtra, input_problem
 from producer.status import gather_progress
 from producer.store import Store, StoreError
@@ -260,11 +260,12 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
     problem = input_problem(args.file)
     if problem:
         raise UsageError(problem)
-    if args.output.is_dir():
-        raise UsageError(f"-o {args.output}: is a directory; give a file name")
-    if not os.access(args.output.parent if str(args.output.parent) else Path("."), os.W_OK) \
-            and args.output.parent.exists():
-        raise UsageError(f"-o {args.output}: the directory {args.output.parent} is not writable")
+    try:  # before hours of work, not after
+        check_target(args.output, "-o")
+        if args.errors is not None:
+            check_target(args.errors, "--errors")
+    except ExportError as exc:
+        raise UsageError(str(exc)) from None
     gpus = parse_gpus(args.gpus) if args.gpus else detect_gpus()
     if not gpus:
         raise UsageError("no GPU found (nvidia-smi lists none): give --gpus, e.g. --gpus 0-7")
@@ -420,6 +421,12 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     stop, force = [False], [False]
+
+    def interrupt(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # until the processes start, SIGTERM is a Ctrl-C: the private Redis is stopped on the way out
+    old = signal.signal(signal.SIGTERM, interrupt)
     try:
         return _run(args, stop, force)
     except (UsageError, ConfigError, StoreError, PrivateRedisError, MissingExtra) as exc:
@@ -432,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         print("batchfleet: interrupted while enqueueing (what was stored is kept): run the same command again "
               "to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, old)
     return EXIT_ERROR
 
 

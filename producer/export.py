@@ -30,7 +30,7 @@ from .collect import collect_once
 from .inputs import compression_of, open_output
 from .store import Store
 
-__all__ = ["PARQUET_COLUMNS", "ExportError", "ExportSummary", "export"]
+__all__ = ["PARQUET_COLUMNS", "ExportError", "ExportSummary", "check_target", "export"]
 
 
 class ExportError(Exception):
@@ -53,7 +53,7 @@ class ExportSummary:
     errors_written: int = 0  # lines written to errors_path (failed prompts)
 
 
-def _check_target(path: Path, what: str) -> None:
+def check_target(path: Path, what: str) -> None:
     """Refuse, before any work, a destination that cannot be written: a directory, or a directory
     that cannot be created or written to."""
     if path.is_dir():
@@ -139,9 +139,9 @@ def export(r: redis.Redis | None, store: Store, keys: Keys, out: Path, *, wait: 
     write `out` (and, with `errors`, the failed prompts' lines there instead of into `out`). The
     suffix picks the format: .jsonl, .jsonl.gz, .jsonl.zst, .parquet. Raises ExportError (before
     collecting anything) when a destination cannot be written."""
-    _check_target(out, "output")
+    check_target(out, "output")
     if errors is not None:
-        _check_target(errors, "errors file")
+        check_target(errors, "errors file")
         if errors.absolute() == out.absolute():
             raise ExportError(f"--errors {errors} is the output file itself; give another name")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -144,7 +144,8 @@ def test_ctrl_c_drains_and_the_same_command_resumes_without_running_a_finished_p
             store.close()
 
     deadline = time.monotonic() + 180
-    while not (store_path.exists() and counts()["succeeded"] >= 10):
+    # the store is complete once the processes start (they start after the enqueue)
+    while not ("started 2 worker(s)" in output(tmp_path, 0) and counts()["succeeded"] >= 10):
         assert p.poll() is None, output(tmp_path, 0)
         assert time.monotonic() < deadline, output(tmp_path, 0)
         time.sleep(0.2)

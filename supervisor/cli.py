@@ -95,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "report":
+        try:
+            import matplotlib  # noqa: F401  (an extra: GPU hosts need not carry it)
+        except ImportError:
+            print("supervisor: `report` draws with matplotlib, which is not installed: "
+                  "pip install 'batchfleet[report]'", file=sys.stderr)
+            return 2
     try:
         config = Config.from_env(run=args.run, redis_url=args.redis_url)
     except ConfigError as exc:
@@ -218,12 +225,6 @@ def _restart(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) 
 def _report(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -> int:
     from .report import load, plot, summarize
 
-    try:
-        import matplotlib  # noqa: F401  (an extra: GPU hosts need not carry it)
-    except ImportError:
-        print("supervisor: `report` draws with matplotlib, which is not installed: pip install 'batchfleet[report]'",
-              file=sys.stderr)
-        return 2
     samples, events = load(r, k)
     if not samples:
         print(f"supervisor: no history for run {config.run!r}: `supervisor watch` writes it while the fleet works",

@@ -139,6 +139,18 @@ class Keys:
         """The run marker (see `producer.marker`)."""
         return self.prefix + "meta"
 
+    # Every run's marker, for listing the runs a Redis holds (SCAN MATCH; run names hold no glob
+    # characters, see Config).
+    META_PATTERN = "bf:*:meta"
+
+    @staticmethod
+    def run_of_meta(key: bytes | str) -> str | None:
+        """`bf:<run>:meta` -> `<run>`; None for any other key."""
+        text = key.decode(errors="replace") if isinstance(key, bytes) else key
+        if text.startswith("bf:") and text.endswith(":meta") and len(text) > len("bf::meta"):
+            return text[len("bf:"):-len(":meta")]
+        return None
+
     @property
     def stats(self) -> str:
         return self.prefix + "stats"

@@ -29,6 +29,7 @@ __all__ = [
     "BODY_KEYS",
     "MAX_BODY_BYTES",
     "SAMPLING_KEYS",
+    "STREAM_REASON",
     "InvalidPrompt",
     "check_body",
     "check_messages",
@@ -94,6 +95,10 @@ BODY_KEYS: dict[str, _Check] = {
 # Other spellings an input line may use; a body as sent holds the canonical name only.
 ALIASES = {"max_new_tokens": "max_tokens"}
 
+# Why a line asking to stream is refused (the same words from the producer and the worker).
+STREAM_REASON = ("stream is not used in batch: each result is collected whole and exported; drop \"stream\" "
+                 "(or set it to false)")
+
 
 def _shown(value: Any) -> str:
     return orjson.dumps(value, default=str).decode()[:40]
@@ -103,6 +108,8 @@ def check_sampling(key: str, value: Any) -> str:
     """The canonical key name; raises InvalidPrompt for an unknown key or a value of the wrong type."""
     key = ALIASES.get(key, key)
     spec = SAMPLING_KEYS.get(key)
+    if key == "stream":
+        raise InvalidPrompt(STREAM_REASON)
     if spec is None:
         raise InvalidPrompt(f"unknown sampling key {key!r}")
     if not spec[0](value):
@@ -151,7 +158,7 @@ def check_body(url: Any, body: Any, *, size_bytes: int | None = None) -> None:
         if key in ("messages", "prompt"):
             continue
         if key == "stream":
-            raise InvalidPrompt("stream is not supported in a batch")
+            raise InvalidPrompt(STREAM_REASON)
         spec = BODY_KEYS.get(key) or SAMPLING_KEYS.get(key)
         if spec is None:
             raise InvalidPrompt(f"unknown sampling key {key!r}")

@@ -1,8 +1,9 @@
 """`producer`: enqueue a JSONL file of prompts into the run's store, feed and collect (the head process),
 show status, export, recover.
 
-Exit status: 0 done; 1 something needs attention (rejected lines, prompts still pending); 2 usage,
-configuration, store or Redis errors (one line on stderr, no traceback). Settings come from
+Exit status: 0 done; 1 something needs attention (rejected lines, prompts still pending: `export`
+still writes the partial file); 2 usage, configuration, store, Redis or I/O errors (one line on
+stderr, no traceback); 130 interrupted. docs/cli.md lists every command and option. Settings come from
 `BATCHFLEET_*` (see batchfleet.config); `--run`, `--redis-url`, `--state-dir` override them. Without
 `--state-dir`, commands use the store the run's marker in Redis names (see producer.locate).
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import redis
 
+from batchfleet.cliopts import add_common
 from batchfleet.config import Config, expand_queues
 from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
@@ -27,13 +29,15 @@ from batchfleet.redact import Scrubber
 
 from . import api
 from .collect import collect_once
-from .export import export
+from .export import ExportError, export
 from .feed import feed_pass
 from .head import Head
+from .inputs import MissingExtra, input_problem
 from .locate import Located, Mode, ensure_marker, locate
 from .parse import Reject, check_sampling, parse_param
 from .queues import LIVE, live_queues
 from .recover import recover
+from .runs import format_runs, list_runs
 from .status import format_status, gather_status
 from .store import StoreError
 
@@ -46,20 +50,19 @@ class UsageError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="producer", description=__doc__.split("\n")[0])
-    p.add_argument("--run", help="run name (BATCHFLEET_RUN)")
-    p.add_argument("--redis-url", help="Redis URL (BATCHFLEET_REDIS_URL / REDIS_URL)")
+    add_common(p)
     p.add_argument("--state-dir", type=Path,
                    help="directory of the run's store (BATCHFLEET_STATE_DIR; default: the one the run marker "
                         "in Redis names, else .batchfleet)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     e = sub.add_parser("enqueue", help="validate a JSONL file into the run's store and feed a first window to Redis")
-    e.add_argument("file", help="JSONL input ('-' for stdin)")
+    e.add_argument("file", help="JSONL input: .jsonl, .jsonl.gz, .jsonl.zst, or '-' for stdin")
     e.add_argument("--queues", help="queues to spread over: names, `hosta.gpu[0-7]` ranges, or `live` (the live "
                    "workers' queues), comma-separated (default: BATCHFLEET_QUEUES)")
-    e.add_argument("--max-tokens", type=int)
-    e.add_argument("--temperature", type=float)
-    e.add_argument("--top-p", type=float)
+    e.add_argument("--max-tokens", type=int, help="max_tokens for lines that do not set it")
+    e.add_argument("--temperature", type=float, help="temperature for lines that do not set it")
+    e.add_argument("--top-p", type=float, help="top_p for lines that do not set it")
     e.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="default sampling parameter for lines that do not set it (repeatable)")
     e.add_argument("--model", help="body.model when a line has none (default: model path or 'default')")
@@ -72,18 +75,31 @@ def _parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text)
         if name == "collect":
             c.add_argument("--follow", action="store_true", help="keep going: the head process (`producer head`)")
-        c.add_argument("--interval", type=float, default=2.0, metavar="S")
+        c.add_argument("--interval", type=float, default=2.0, metavar="S",
+                       help="seconds between passes (default 2)")
 
     s = sub.add_parser("status", help="where every prompt is (read-only; works from the store when Redis is down)")
     s.add_argument("--json", action="store_true", help="one JSON object (keys: docs/store.md, 'Status')")
 
-    x = sub.add_parser("export", help="write the OpenAI batch output file in input order")
-    x.add_argument("out", type=Path)
+    ru = sub.add_parser("runs", help="the runs this Redis holds (their run markers), with their counts")
+    ru.add_argument("--json", action="store_true", help="a JSON list, one object per run")
+
+    x = sub.add_parser("export", help="write the OpenAI batch output file in input order (exit 0 complete, "
+                                      "1 prompts still pending: partial file written, 2 error)")
+    x.add_argument("out", type=Path, help="output file; its suffix picks the format: .jsonl, .jsonl.gz, "
+                                          ".jsonl.zst, .parquet (extra [parquet])")
+    x.add_argument("--errors", type=Path, metavar="FILE",
+                   help="write failed prompts' lines here instead of into OUT (default: all lines in OUT)")
     x.add_argument("--wait", action="store_true", help="wait until no prompt is pending")
     x.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
 
     sub.add_parser("recover", help="requeue, from the store, the fed prompts that are nowhere in Redis or were "
                                    "failed by a non-batchfleet worker; restore the run marker")
+    for name, sp in sub.choices.items():  # --run/--redis-url also after any subcommand
+        if name != "runs":
+            add_common(sp, sub=True)
+        else:
+            sp.add_argument("--redis-url", default=argparse.SUPPRESS, metavar="URL", help="Redis URL")
     return p
 
 
@@ -130,6 +146,9 @@ def _say_lost(config: Config, loc: Located) -> None:
 def _run(args: argparse.Namespace, config: Config) -> int:
     explicit = _state_dir_given(args)
     r = connect(config.redis_url)
+    if args.cmd == "runs":
+        print(format_runs(list_runs(r), as_json=args.json))
+        return 0
     if args.cmd == "status":
         loc = locate(config, r, explicit=explicit, mode=Mode.READ)
         try:
@@ -180,9 +199,19 @@ def _export(args: argparse.Namespace, config: Config, r: redis.Redis, loc: Locat
               f"store {loc.store.path} holds (results still in Redis are not included)", file=sys.stderr)
     elif loc.lost:
         _say_lost(config, loc)
-    ex = export(None if loc.redis_error else r, loc.store, Keys(config.run), args.out, wait=args.wait,
-                timeout_s=args.timeout)
-    print(f"wrote {ex.written:,} lines to {ex.path} ({ex.succeeded:,} succeeded, {ex.failed:,} failed)")
+    try:
+        ex = export(None if loc.redis_error else r, loc.store, Keys(config.run), args.out, wait=args.wait,
+                    timeout_s=args.timeout, errors=args.errors)
+    except ExportError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:  # e.g. the disk filled up while writing
+        raise UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+    if ex.succeeded + ex.failed + ex.pending == 0:
+        print(f"producer: run {config.run} has no prompts in its store {loc.store.path}: nothing to export "
+              "(wrong --run?)", file=sys.stderr)
+        return 2
+    print(f"wrote {ex.written:,} lines to {ex.path} ({ex.succeeded:,} succeeded, {ex.failed:,} failed)"
+          + (f"; {ex.errors_written:,} failed prompt(s) to {ex.errors_path}" if ex.errors_path else ""))
     if ex.rejected:
         print(f"{ex.rejected:,} result(s) answered no prompt of this run (forged, or another run's) and are not "
               "exported", file=sys.stderr)
@@ -198,11 +227,23 @@ def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit:
             and not live_queues(r, Keys(config.run)):
         raise UsageError(f"--queues live: no live worker of run {config.run!r} reports a queue: start the workers "
                          "first, or name the queues (e.g. hosta.gpu[0-7],hostb.gpu[0-7])")
-    if args.file != "-" and not Path(args.file).is_file():
-        raise UsageError(f"{args.file}: no such file")
-    done = api.enqueue(config, r, args.file, queues=queues, explicit=explicit, defaults=defaults,
-                       model=args.model or config.model_path or "default", rejects_path=args.rejects,
-                       progress=not args.no_progress)
+    problem = input_problem(args.file)
+    if problem:
+        raise UsageError(problem)
+    try:
+        done = api.enqueue(config, r, args.file, queues=queues, explicit=explicit, defaults=defaults,
+                           model=args.model or config.model_path or "default", rejects_path=args.rejects,
+                           progress=not args.no_progress)
+    except KeyboardInterrupt:
+        stored = _stored(config, r, explicit)
+        print(f"producer: interrupted: the store of run {config.run} holds {stored} prompt(s) (the lines read so far "
+              "and any from earlier); run the same command again to resume: stored lines are skipped, none runs "
+              "twice", file=sys.stderr)
+        return 130
+    except MissingExtra as exc:
+        raise UsageError(str(exc)) from None
+    except (OSError, EOFError) as exc:  # a corrupt .gz/.zst, a read error
+        raise UsageError(f"{args.file}: cannot read: {exc}") from None
     done.store.close()
     s, fed = done.summary, done.fed
     rate = s.lines / s.seconds if s.seconds else 0.0
@@ -218,6 +259,19 @@ def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit:
         print(f"rejected lines are in {s.rejects_path}", file=sys.stderr)
         return 1
     return 0
+
+
+def _stored(config: Config, r: redis.Redis, explicit: bool) -> str:
+    """How many prompts the run's store holds now (after an interrupted enqueue), as text."""
+    try:
+        loc = locate(config, r, explicit=explicit, mode=Mode.READ)
+    except (StoreError, redis.RedisError, sqlite3.Error):
+        return "an unknown number of"
+    try:
+        with loc.store.read():
+            return f"{loc.store.counts()['prompts']:,}"
+    finally:
+        loc.store.close()
 
 
 def main(argv: list[str] | None = None) -> int:

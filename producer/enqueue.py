@@ -25,6 +25,7 @@ import orjson
 from batchfleet.records import ENDPOINTS
 from batchfleet.redact import private_file
 
+from .inputs import compression_of, open_input
 from .parse import Reject, parse_line
 from .progress import Reporter
 from .store import UNBOUNDED_COST, State, Store
@@ -126,8 +127,9 @@ def enqueue_file(store: Store, path: str, *, defaults: dict[str, Any], model: st
     name = "stdin" if path == "-" else path
     summary = EnqueueSummary(rejects_path=rejects_path or Path(f"{name}.rejects.jsonl"))
     rejects = _Rejects(summary.rejects_path)
-    fh: IO[bytes] = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
-    size = None if path == "-" or not Path(path).is_file() else Path(path).stat().st_size
+    fh: IO[bytes] = sys.stdin.buffer if path == "-" else open_input(path)
+    plain = path != "-" and Path(path).is_file() and not compression_of(path)
+    size = Path(path).stat().st_size if plain else None  # a compressed file's size is not the bytes read
     report = Reporter(f"enqueue {name}", size, enabled=progress)
     start, nbytes = time.monotonic(), 0
 
@@ -165,4 +167,6 @@ def enqueue_file(store: Store, path: str, *, defaults: dict[str, Any], model: st
         if fh is not sys.stdin.buffer:
             fh.close()
     summary.seconds = time.monotonic() - start
+    if summary.lines == 0:
+        print(f"producer: warning: {name} holds no prompts (it is empty or only blank lines)", file=sys.stderr)
     return summary

@@ -1,5 +1,9 @@
 """`producer export`: the OpenAI batch output file, one line per prompt that has a result.
 
+With `--errors FILE` the failed prompts' lines go to FILE instead (the OpenAI Batch API's
+error file); without it every line is in the one output, as before. The suffix of each file picks
+its format: `.jsonl`, `.jsonl.gz`, `.jsonl.zst` (extra `zstd`), `.parquet` (extra `parquet`).
+
 Lines come out in input order (the store's `seq`), each exactly `Result.batch_output_line()` as the
 collector stored it; only prompts enqueued into the store can have one (see collect.py). The file is
 written next to its destination and renamed into place, so a reader never sees half an export.
@@ -9,20 +13,29 @@ exported (read-only).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import orjson
 import redis
 
 from batchfleet.keys import Keys
 
 from .collect import collect_once
+from .inputs import compression_of, open_output
 from .store import Store
 
-__all__ = ["ExportSummary", "export"]
+__all__ = ["PARQUET_COLUMNS", "ExportError", "ExportSummary", "check_target", "export"]
+
+
+class ExportError(Exception):
+    """A destination that cannot be written (a directory, no permission, a missing extra): the
+    message says which and why; `producer export` exits 2 with it."""
 
 SHOW_PENDING = 5
 
@@ -36,12 +49,101 @@ class ExportSummary:
     pending: int = 0
     rejected: int = 0  # results dropped over the run because they answered no prompt of it
     first_pending: list[str] = field(default_factory=list)
+    errors_path: Path | None = None
+    errors_written: int = 0  # lines written to errors_path (failed prompts)
+
+
+def check_target(path: Path, what: str) -> None:
+    """Refuse, before any work, a destination that cannot be written: a directory, or a directory
+    that cannot be created or written to."""
+    if path.is_dir():
+        raise ExportError(f"{what} {path}: is a directory; give a file name")
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"{what} {path}: cannot create its directory {parent}: {exc.strerror or exc}") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"{what} {path}: the directory {parent} is not writable")
+    if compression_of(path) == "parquet":
+        _pyarrow()
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ExportError("writing .parquet needs pyarrow: pip install 'batchfleet[parquet]'") from None
+    return pa, pq
+
+
+def _is_error(line: bytes) -> bool:
+    return orjson.loads(line).get("error") is not None
+
+
+class _Target:
+    """One destination written next to itself and renamed into place (a reader never sees half)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make the export private to this user
+        self.rows: list[dict[str, Any]] | None = None
+        self.stack = contextlib.ExitStack()
+        if compression_of(path) == "parquet":
+            os.close(fd)
+            self.rows = []
+        else:
+            self.fh = self.stack.enter_context(open_output(fd, path))
+
+    def write(self, line: bytes) -> None:
+        if self.rows is not None:
+            self.rows.append(_parquet_row(orjson.loads(line)))
+        else:
+            self.fh.write(line)
+            self.fh.write(b"\n")
+
+    def commit(self) -> None:
+        self.stack.close()
+        if self.rows is not None:
+            pa, pq = _pyarrow()
+            pq.write_table(pa.Table.from_pylist(self.rows, schema=pa.schema(
+                [(name, pa.int64() if name == "status_code" else pa.string()) for name in PARQUET_COLUMNS])), self.tmp)
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stack.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+
+
+# Parquet columns: the batch output line flattened; bodies stay JSON text.
+PARQUET_COLUMNS = ("id", "custom_id", "status_code", "request_id", "body", "error_code", "error_message")
+
+
+def _parquet_row(rec: dict[str, Any]) -> dict[str, Any]:
+    resp, err = rec.get("response") or {}, rec.get("error") or {}
+    body = resp.get("body")
+    return {"id": rec.get("id"), "custom_id": rec.get("custom_id"), "status_code": resp.get("status_code"),
+            "request_id": resp.get("request_id"), "body": None if body is None else orjson.dumps(body).decode(),
+            "error_code": err.get("code"), "error_message": err.get("message")}
 
 
 def export(r: redis.Redis | None, store: Store, keys: Keys, out: Path, *, wait: bool = False,
-           timeout_s: float | None = None, poll_s: float = 2.0) -> ExportSummary:
+           timeout_s: float | None = None, poll_s: float = 2.0, errors: Path | None = None) -> ExportSummary:
     """Collect (unless `r` is None; with `wait`: until nothing is pending or `timeout_s` passes), then
-    write `out`."""
+    write `out` (and, with `errors`, the failed prompts' lines there instead of into `out`). The
+    suffix picks the format: .jsonl, .jsonl.gz, .jsonl.zst, .parquet. Raises ExportError (before
+    collecting anything) when a destination cannot be written."""
+    check_target(out, "output")
+    if errors is not None:
+        check_target(errors, "errors file")
+        if errors.absolute() == out.absolute():
+            raise ExportError(f"--errors {errors} is the output file itself; give another name")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while r is not None:
         collect_once(r, store, keys)
@@ -51,26 +153,31 @@ def export(r: redis.Redis | None, store: Store, keys: Keys, out: Path, *, wait: 
             break
         time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make the export private to this user
+    targets: list[_Target] = []
     try:
-        with store.read(), os.fdopen(fd, "wb") as fh:
+        main = _Target(out)
+        targets.append(main)
+        failed = main
+        if errors is not None:
+            failed = _Target(errors)
+            targets.append(failed)
+        with store.read():
             # one read snapshot: the counts and the lines agree even while a collector writes
             counts = store.counts()
             summary = ExportSummary(path=out, succeeded=counts["succeeded"], failed=counts["failed"],
                                     pending=counts["pending"], rejected=store.rejected_results(),
-                                    first_pending=store.pending_examples(SHOW_PENDING))
+                                    first_pending=store.pending_examples(SHOW_PENDING), errors_path=errors)
             for line in store.result_lines():
-                fh.write(line)
-                fh.write(b"\n")
-                summary.written += 1
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
+                if errors is not None and _is_error(line):
+                    failed.write(line)
+                    summary.errors_written += 1
+                else:
+                    main.write(line)
+                    summary.written += 1
+        for t in targets:
+            t.commit()
     except BaseException:
-        os.unlink(tmp)
+        for t in targets:
+            t.abort()
         raise
     return summary

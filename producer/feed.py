@@ -30,7 +30,7 @@ import redis
 from batchfleet.config import Config
 from batchfleet.jobs import GENERATE
 from batchfleet.keys import RQ_QUEUES, Keys, valid_queue_name
-from batchfleet.records import MAX_RUNNING_RANGE, RecordError, WorkerStatus, job_id_for
+from batchfleet.records import MAX_RUNNING_RANGE, RecordError, WorkerState, WorkerStatus, job_id_for
 
 from .lua import FEED_LUA
 from .store import State, Store
@@ -48,6 +48,8 @@ class FleetView:
     fresh: int = 0
     known: int = 0
     tokens_per_s: float = 0.0
+    # (worker, queue, state, message) of fresh workers whose server is not serving: down, starting...
+    not_serving: list[tuple[str, str, str, str]] = field(default_factory=list)
 
 
 def read_fleet_view(r: redis.Redis, keys: Keys) -> FleetView:
@@ -68,6 +70,8 @@ def read_fleet_view(r: redis.Redis, keys: Keys) -> FleetView:
         view.tokens_per_s += max(0.0, min(ws.tokens_per_s, 1e7))
         cap = max(0, min(ws.effective_max, MAX_RUNNING_RANGE[1]))
         view.capacity[ws.queue] = view.capacity.get(ws.queue, 0) + cap
+        if ws.state is not WorkerState.SERVING:
+            view.not_serving.append((ws.worker, ws.queue, str(ws.state.value), ws.message[:500]))
     return view
 
 

@@ -24,6 +24,7 @@ from batchfleet.prompts import (
     ALIASES,
     BODY_KEYS,
     SAMPLING_KEYS,
+    STREAM_REASON,
     InvalidPrompt,
     check_body,
     check_messages,
@@ -41,6 +42,7 @@ Reject = InvalidPrompt
 
 # Accepted in a batch body besides the sampling keys: they shape the request, not the sampling.
 _BODY_KEYS = frozenset({"messages", "prompt", *BODY_KEYS})
+_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
 _SIMPLE_KEYS = frozenset({"id", "custom_id", "prompt", "messages", "sampling_params", "model"})
 _ALIASES = ALIASES
 
@@ -96,6 +98,10 @@ def parse_line(raw: bytes | str, defaults: dict[str, Any], model: str) -> tuple[
 
 
 def _parse_batch(d: dict[str, Any], defaults: dict[str, Any], model: str) -> tuple[str, str, dict[str, Any]]:
+    unknown = sorted(k for k in d if k not in _BATCH_KEYS)
+    if unknown:  # like the simple form, which rejects an unknown key as an unknown sampling key
+        raise Reject(f"unknown key {unknown[0]!r} in a batch-form line (it takes custom_id, method, url, body; "
+                     "sampling parameters go inside body)")
     cid = _cid(d, "custom_id")
     if d.get("method", "POST") != "POST":
         raise Reject(f"method must be POST, got {d.get('method')!r}")
@@ -106,7 +112,7 @@ def _parse_batch(d: dict[str, Any], defaults: dict[str, Any], model: str) -> tup
     if not isinstance(body, dict):
         raise Reject("body must be an object")
     if body.get("stream"):
-        raise Reject("stream=true is not supported in a batch")
+        raise Reject(STREAM_REASON)
     out: dict[str, Any] = {}
     sampling: dict[str, Any] = {}
     for k, v in body.items():

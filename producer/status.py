@@ -17,11 +17,12 @@ from batchfleet.connection import redacted
 from batchfleet.keys import Keys, valid_queue_name
 from batchfleet.marker import repair_command
 
-from .feed import read_fleet_view
+from .feed import FleetView, read_fleet_view
 from .locate import Located
 from .recover import audit
+from .store import Store
 
-__all__ = ["format_status", "gather_status"]
+__all__ = ["eta_text", "format_status", "gather_progress", "gather_status"]
 
 
 def _num(v: bytes) -> int | float:
@@ -75,30 +76,56 @@ def gather_status(config: Config, r: redis.Redis, loc: Located) -> dict[str, Any
         pipe.zcard(Keys.started(q))
         pipe.zcard(Keys.failed(q))
     depth = pipe.execute()
-    out["queues"] = {
+    rows = {
         q: {"queued": depth[3 * i], "in_flight": depth[3 * i + 1], "succeeded": stats.get(f"succeeded:{q}", 0),
             "failed": stats.get(f"failed:{q}", 0), "failed_registry": depth[3 * i + 2],
             "workers_capacity": view.capacity.get(q, 0)}
         for i, q in enumerate(queues)
     }
-    succeeded = stats.get("succeeded", 0)
-    mean_ct = stats.get("completion_tokens", 0) / succeeded if succeeded else None
-    rate = view.tokens_per_s / mean_ct if mean_ct and view.tokens_per_s > 0 else None
-    eta_s = counts["pending"] / rate if rate else (0.0 if counts["pending"] == 0 else None)
+    # a queue only named (e.g. the default gpu0 of an enqueue before any worker) that holds nothing,
+    # served nothing and has no live worker says nothing: no row
+    out["queues"] = {q: v for q, v in rows.items() if any(v.values()) or q in view.capacity}
     out.update(
         totals=totals, foreign_failures=foreign,
         repair=repair if (loc.lost or a.counts["lost"] or foreign) else None,
-        workers={"fresh": view.fresh, "known": view.known},
-        fleet_tokens_per_s=round(view.tokens_per_s, 1),
-        mean_completion_tokens=None if mean_ct is None else round(mean_ct, 1),
-        prompts_per_s=None if rate is None else round(rate, 2),
-        eta_s=None if eta_s is None else round(eta_s),
-        eta=_eta_text(eta_s),
+        workers=_workers(view),
+        **_rate(stats, view.tokens_per_s, counts["pending"]),
     )
     return out
 
 
-def _eta_text(eta_s: float | None) -> str:
+def _workers(view: FleetView) -> dict[str, Any]:
+    return {"fresh": view.fresh, "known": view.known,
+            "not_serving": [{"worker": w, "queue": q, "state": st, "message": m} for w, q, st, m in view.not_serving]}
+
+
+def _rate(stats: dict[str, int | float], tokens_per_s: float, pending: int) -> dict[str, Any]:
+    succeeded = stats.get("succeeded", 0)
+    mean_ct = stats.get("completion_tokens", 0) / succeeded if succeeded else None
+    rate = tokens_per_s / mean_ct if mean_ct and tokens_per_s > 0 else None
+    eta_s = pending / rate if rate else (0.0 if pending == 0 else None)
+    return {"fleet_tokens_per_s": round(tokens_per_s, 1),
+            "mean_completion_tokens": None if mean_ct is None else round(mean_ct, 1),
+            "prompts_per_s": None if rate is None else round(rate, 2),
+            "eta_s": None if eta_s is None else round(eta_s), "eta": eta_text(eta_s)}
+
+
+def gather_progress(r: redis.Redis, keys: Keys, store: Store) -> dict[str, Any]:
+    """The figures of a progress line, from the same sources as `gather_status` (the store's counts,
+    the run's counters, the workers' status records) without its audit of every fed prompt: keys
+    `prompts`, `done`, `succeeded`, `failed`, `pending`, `fleet_tokens_per_s`, `prompts_per_s`,
+    `eta_s`, `eta`, `workers` ({fresh, known})."""
+    with store.read():
+        counts = store.counts()
+    stats = {k.decode(errors="replace"): _num(v) for k, v in r.hgetall(keys.stats).items()}
+    view = read_fleet_view(r, keys)
+    return {"prompts": counts["prompts"], "done": counts["succeeded"] + counts["failed"],
+            "succeeded": counts["succeeded"], "failed": counts["failed"], "pending": counts["pending"],
+            "workers": _workers(view),
+            **_rate(stats, view.tokens_per_s, counts["pending"])}
+
+
+def eta_text(eta_s: float | None) -> str:
     if eta_s is None:
         return "unknown"
     s = round(eta_s)
@@ -139,9 +166,21 @@ def format_status(st: dict[str, Any], *, as_json: bool) -> str:
         if t["lost"] and not st["redis_lost_data"]:
             lines.append(f"  {t['lost']:,} fed prompt(s) are nowhere in Redis: a running `producer head` requeues "
                          f"them, or: {st['repair']}")
-        rate = "unknown" if st["prompts_per_s"] is None else f"{st['prompts_per_s']:,} prompts/s"
-        lines.append(f"workers {st['workers']['fresh']} fresh of {st['workers']['known']}; "
-                     f"{st['fleet_tokens_per_s']:,} tokens/s; {rate}; ETA {st['eta']}")
+        w = st["workers"]
+        if t["pending"] == 0:
+            speed = "nothing pending"
+        elif st["prompts_per_s"] is None:
+            speed = "no throughput measured yet (no worker has finished a prompt in its last window); ETA unknown"
+        else:
+            speed = f"{st['fleet_tokens_per_s']:,} tokens/s, {st['prompts_per_s']:,} prompts/s; ETA {st['eta']}"
+        lines.append(f"workers {w['fresh']} fresh of {w['known']}; {speed}")
+        for d in w.get("not_serving", []):
+            if d["state"] == "down":
+                why = (d["message"] or "?").rstrip().replace("\n", "\n    ")
+                lines.append(f"  worker {d['worker']} (queue {d['queue']}): server DOWN: {why}")
+        starting = sum(1 for d in w.get("not_serving", []) if d["state"] != "down")
+        if starting:
+            lines.append(f"  {starting} worker(s) starting or restarting their server")
     else:
         lines.append(f"  pending: {t['waiting']:,} waiting in the store, {t['in_redis']:,} fed to Redis "
                      "(where in Redis: unknown while it is down)")

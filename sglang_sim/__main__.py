@@ -2,7 +2,18 @@
 
 import sys
 
-from .launch import main
+
+def main() -> int:
+    try:
+        from .launch import main as launch
+    except ModuleNotFoundError as exc:
+        if exc.name != "aiohttp":
+            raise
+        print("sglang_sim: the simulator needs aiohttp, which is not installed: pip install 'batchfleet[sim]'",
+              file=sys.stderr)
+        return 2
+    return launch()
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,9 @@ MAX_SAMPLES = 2000
 class Recorder:
     def __init__(self, *, version: str, argv: list[str], flags: dict[str, Any], strategy: str,
                  effective: int, profile: str, gpu_index: int) -> None:
-        self.path = Path(os.environ["SGLANG_SIM_RECORD"]) if os.environ.get("SGLANG_SIM_RECORD") else None
+        # `{gpu}` in the path is the simulated GPU's index: one variable serves a launcher's every server
+        raw = os.environ.get("SGLANG_SIM_RECORD", "").replace("{gpu}", str(gpu_index))
+        self.path = Path(raw) if raw else None
         # The record is for tests and may be read by anyone who can read the run's files: like the
         # logs batchfleet writes, it never holds the API key (the record says only that one was set).
         self.static = {

@@ -21,6 +21,7 @@ import redis
 from rich.console import Console
 from rich.live import Live
 
+from batchfleet.cliopts import add_common
 from batchfleet.config import STRATEGIES, Config
 from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
@@ -60,11 +61,12 @@ def _autopilot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-fraction-static", type=float, default=0.90, help="with the first rung up (0: leave it)")
     p.add_argument("--max-running-requests", type=int, default=128, help="a ceiling that should not bind (0: leave)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
-    p.add_argument("--metrics-addr", default="127.0.0.1")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address the metrics server binds to")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="supervisor", description="Watch (and steer) a batchfleet fleet.")
+    add_common(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     watch = sub.add_parser("watch", help="the autopilot with its live view: diagnose, canary, roll out or back")
     _autopilot_args(watch)
@@ -78,22 +80,31 @@ def _parser() -> argparse.ArgumentParser:
     _autopilot_args(run)
 
     restart = sub.add_parser("restart", help="operator: restart the fleet (or one canary) on another spec")
-    restart.add_argument("--strategy", required=True, choices=STRATEGIES)
-    restart.add_argument("--mem-fraction-static", type=float)
-    restart.add_argument("--max-running-requests", type=int)
+    restart.add_argument("--strategy", required=True, choices=STRATEGIES, help="the mamba strategy to restart on")
+    restart.add_argument("--mem-fraction-static", type=float, help="--mem-fraction-static for the new servers")
+    restart.add_argument("--max-running-requests", type=int, help="--max-running-requests for the new servers")
     restart.add_argument("--canary", nargs="?", const="", metavar="QUEUE",
                          help="only this GPU (its queue or worker name; default: the first serving one)")
 
     report = sub.add_parser("report", help="PNG of fleet tokens/s and per-GPU in-flight, restarts marked; summary")
-    report.add_argument("out", type=Path)
-    report.add_argument("--title", default="")
+    report.add_argument("out", type=Path, help="the PNG to write")
+    report.add_argument("--title", default="", help="chart title (default: the run's name)")
+    for sp in sub.choices.values():  # --run/--redis-url also after the subcommand
+        add_common(sp, sub=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "report":
+        try:
+            import matplotlib  # noqa: F401  (an extra: GPU hosts need not carry it)
+        except ImportError:
+            print("supervisor: `report` draws with matplotlib, which is not installed: "
+                  "pip install 'batchfleet[report]'", file=sys.stderr)
+            return 2
     try:
-        config = Config.from_env()
+        config = Config.from_env(run=args.run, redis_url=args.redis_url)
     except ConfigError as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
         return 2

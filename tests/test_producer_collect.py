@@ -149,7 +149,7 @@ def test_status_tells_where_every_prompt_is(cli: Cli, r: redis.Redis, redis_url:
     assert st["repair"] == f"producer --run {RUN} --state-dir {tmp_path / 'state'} recover"
     assert list(st["queues"]) == ["gpu0", "gpu1"]
     assert st["queues"]["gpu0"]["failed_registry"] == 2 and st["queues"]["gpu0"]["workers_capacity"] == 8
-    assert st["workers"] == {"fresh": 2, "known": 3}
+    assert st["workers"] == {"fresh": 2, "known": 3, "not_serving": []}
     assert st["fleet_tokens_per_s"] == 50.0 and st["mean_completion_tokens"] == 100.0
     assert st["prompts_per_s"] == 0.5 and st["eta_s"] == 22 and st["eta"] == "0m22s"
     assert (r.xlen(keys.results), r.scard(keys.done)) == before  # status collects nothing

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from batchfleet.config import Config
+from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.marker import MarkerWatch
 from batchfleet.records import Prompt, WorkerStatus
@@ -47,6 +48,7 @@ __all__ = ["EXIT_SHUTDOWN_COMMAND", "GPUService"]
 
 log = logging.getLogger("batchfleet.worker")
 
+EXIT_CONFIG = 2  # = worker.EXIT_CONFIG: a configuration error a person must fix
 EXIT_SHUTDOWN_COMMAND = 75  # EX_TEMPFAIL: stopped on request through Redis; a supervisor restarts it
 
 
@@ -97,18 +99,24 @@ class GPUService:
         claiming = asyncio.create_task(self.dispatcher.run(burst=burst))
         stop = asyncio.create_task(self.stop_requested.wait())
         code = 0
+        config_error: ConfigError | None = None
         try:
             done, _ = await asyncio.wait({serving, claiming, stop}, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
-                if t is not stop and t.exception() is not None:
-                    log.error("worker stopping on an unexpected error", exc_info=t.exception())
+                exc = None if t is stop else t.exception()
+                if isinstance(exc, ConfigError):  # a person must fix it: one line, no traceback, exit 2
+                    config_error, code = exc, EXIT_CONFIG
+                    log.error("gpu%d: configuration error: %s; exiting %d", self.gpu, exc, code)
+                elif exc is not None:
+                    log.error("worker stopping on an unexpected error", exc_info=exc)
                     code = 1
         finally:
             handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
             for t in (serving, claiming, stop):
                 t.cancel()
             await asyncio.wait([serving, claiming, stop], timeout=10)
-            self.keeper.message = f"stopped ({handed} prompt(s) handed back)"
+            self.keeper.message = (f"configuration error: {config_error} (the worker exited {EXIT_CONFIG})"
+                                   if config_error else f"stopped ({handed} prompt(s) handed back)")
             await self.keeper.close()
             if self._said:
                 await asyncio.wait(self._said, timeout=5)
@@ -121,7 +129,10 @@ class GPUService:
             with contextlib.suppress(Exception):
                 await self.ledger.flush()
             with contextlib.suppress(Exception):
-                await self.publisher.forget(self.worker)
+                if config_error is None:
+                    await self.publisher.forget(self.worker)
+                else:  # the DOWN record and its reason stay until they expire: `producer status` shows them
+                    await self.reporter.publish_now()
             d = self.dispatcher
             log.info("worker %s stopped: %d done, %d failed, %d refused, %d handed back, %d struck, %d quarantined, "
                      "%d server death(s)", self.worker, d.done, d.failed, d.refused, d.handed_back, d.struck,

@@ -1,0 +1,448 @@
+"""`batchfleet run prompts.jsonl -o results.jsonl [--gpus 0-7] [--dry-run]`: one host, its GPUs.
+
+    1. Redis: the one at --redis-url / BATCHFLEET_REDIS_URL / REDIS_URL when it answers, else a private
+       redis-server with an append-only file in the state dir (fleetrun.redisproc).
+    2. The file into the run's store (`producer enqueue`'s code: idempotent by custom_id).
+    3. One `rq worker <run>.gpuN` per GPU (RQ_WORKER_CLASS=worker.GPUWorker), `producer head`,
+       `supervisor watch` (`--dry-run`: it only advises); their output goes to <state dir>/logs/.
+    4. One progress line (bar, done/total, ETA, fleet tok/s) and one line per supervisor or worker event.
+    5. When no prompt is pending: stop the processes (SIGTERM: workers stop their servers), export.
+
+Ctrl-C (or SIGTERM) drains: workers hand back what they hold, the head stops, nothing is exported;
+running the same command again resumes (the run name defaults to the input file's name) and never
+runs a finished prompt again. A second Ctrl-C kills the processes at once (still safe: leases).
+
+Exit status: 0 every prompt has a result and the file is written; 1 the export was written but
+some input lines were rejected; 2 usage, configuration, Redis or store error, or the processes
+died; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import redis
+
+from batchfleet.cliopts import add_common, common_parent
+from batchfleet.config import Config
+from batchfleet.connection import connect, redacted
+from batchfleet.errors import ConfigError
+from batchfleet.keys import Keys
+from batchfleet.records import Event
+from producer import api
+from producer.collect import collect_once
+from producer.export import ExportError, check_target, export
+from producer.inputs import MissingExtra, input_problem
+from producer.status import gather_progress
+from producer.store import Store, StoreError
+
+from .redisproc import PrivateRedis, PrivateRedisError, answers
+
+__all__ = ["main", "parse_gpus"]
+
+EXIT_OK, EXIT_ATTENTION, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+BIN = Path(sys.executable).parent
+REDIS_HELP = ("Redis URL, used when it answers (default: BATCHFLEET_REDIS_URL, else REDIS_URL; none, or none "
+              "answering: a private redis-server with an append-only file in the state dir)")
+
+
+class UsageError(Exception):
+    """Bad arguments or environment: exit 2 with the message."""
+
+
+def parse_gpus(text: str) -> tuple[int, ...]:
+    """`0-7`, `0,2,5`, `0-3,6`: GPU indices on this host (not a count)."""
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise UsageError(f"--gpus wants GPU indices like 0-7 or 0,2,5, got {text!r}")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if lo > hi or hi > 1023:
+            raise UsageError(f"--gpus: {part!r} is not a range of GPU indices")
+        out.extend(range(lo, hi + 1))
+    return tuple(dict.fromkeys(out))
+
+
+def detect_gpus() -> tuple[int, ...]:
+    """The GPUs `nvidia-smi` lists (the simulator's stand-in answers the same way)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return ()
+    try:
+        text = subprocess.run([exe, "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return tuple(int(x) for x in (line.strip() for line in text.splitlines()) if x.isdigit())
+
+
+def run_name_for(path: Path) -> str:
+    """The default run name: the input file's name without its suffixes (`prompts.jsonl.gz` -> `prompts`)."""
+    stem = path.name.split(".")[0] or "run"
+    return re.sub(r"[^A-Za-z0-9_-]", "_", stem)[:100]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="batchfleet", description="Run a JSONL file of prompts on this host's GPUs.")
+    add_common(p, redis_help=REDIS_HELP)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    r = sub.add_parser("run", help="enqueue, serve on this host's GPUs, watch, export (resumable)",
+                       description=__doc__.split("\n\n")[0],
+                       parents=[common_parent(run_help="run name (default: BATCHFLEET_RUN, else the input "
+                                                       "file's name: re-running the same command resumes)",
+                                                       redis_help=REDIS_HELP)])
+    r.add_argument("file", type=Path, help="JSONL input (.jsonl, .jsonl.gz, .jsonl.zst)")
+    r.add_argument("-o", "--output", type=Path, required=True, metavar="OUT",
+                   help="the OpenAI batch output file (.jsonl, .jsonl.gz, .jsonl.zst by suffix)")
+    r.add_argument("--errors", type=Path, metavar="FILE", help="write failed prompts here instead of into OUT")
+    r.add_argument("--gpus", help="GPU indices, e.g. 0-7 or 0,2,5 (default: every GPU nvidia-smi lists)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="the supervisor only advises (`supervisor watch --dry-run`): it restarts nothing")
+    r.add_argument("--state-dir", type=Path,
+                   help="the run's store, logs and private Redis (BATCHFLEET_STATE_DIR; default .batchfleet)")
+    r.add_argument("--rejects", type=Path, metavar="FILE",
+                   help="rejected input lines go here (default: <state dir>/<run>.rejects.jsonl)")
+    r.add_argument("--model", help="body.model when a line has none (default: BATCHFLEET_MODEL_PATH)")
+    r.add_argument("--no-supervisor", action="store_true", help="do not start `supervisor watch`")
+    r.add_argument("--progress-every", type=float, default=5.0, metavar="S",
+                   help="seconds between progress lines when the output is not a terminal")
+    r.add_argument("--timeout", type=float, metavar="S", help="give up (drain, exit 2) after S seconds")
+    return p
+
+
+# --- output -----------------------------------------------------------------------------------------
+class Screen:
+    """One progress line (a rich bar on a terminal, a plain line every few seconds otherwise) and
+    messages that print above it."""
+
+    def __init__(self, stream: TextIO, every_s: float) -> None:
+        self.stream = stream
+        self.every_s = every_s
+        self.last = 0.0
+        self.last_done = -1
+        self.bar: Any = None
+
+    def _start_bar(self) -> None:
+        """On a terminal, the bar starts with the first progress (enqueue's own bar is done by then)."""
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), console=Console(file=self.stream), transient=False)
+        self.task = self.bar.add_task("run", total=None, info="")
+        self.bar.start()
+
+    def say(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def progress(self, p: dict[str, Any], *, force: bool = False) -> None:
+        tps = f"{p['fleet_tokens_per_s']:,.0f} tok/s" if p["fleet_tokens_per_s"] else "no tok/s yet"
+        info = f"ETA {p['eta']}  {tps}  workers {p['workers']['fresh']}"
+        if self.bar is None and self.stream.isatty():
+            self._start_bar()
+        if self.bar is not None:
+            self.bar.update(self.task, total=p["prompts"], completed=p["done"], info=info)
+            return
+        now = time.monotonic()
+        if (force and p["done"] != self.last_done) or now - self.last >= self.every_s:
+            self.last, self.last_done = now, p["done"]
+            share = p["done"] / p["prompts"] if p["prompts"] else 1.0
+            filled = round(share * 20)
+            print(f"[{'#' * filled}{'.' * (20 - filled)}] {p['done']:,}/{p['prompts']:,} ({share:.0%})  {info}",
+                  file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def event_line(e: Event) -> str:
+    first = e.message.splitlines()[0] if e.message else ""
+    return f"{time.strftime('%H:%M:%S', time.localtime(e.ts))} {e.source or '?'} {e.kind}: {first}"
+
+
+class Events:
+    """New events of the run's stream since this launch."""
+
+    def __init__(self, r: redis.Redis, keys: Keys) -> None:
+        self.r, self.key = r, keys.events
+        last = r.xrevrange(self.key, count=1)
+        self.after = last[0][0] if last else b"0-0"
+
+    def new(self) -> list[Event]:
+        out = []
+        for eid, fields in self.r.xrange(self.key, min=b"(" + self.after, count=500):
+            self.after = eid
+            try:
+                out.append(Event.from_json(fields[b"e"]))
+            except Exception:  # a record this version cannot read: skip it, never stop the run
+                continue
+        return out
+
+
+# --- processes --------------------------------------------------------------------------------------
+@dataclass
+class Procs:
+    logs: Path
+    workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    others: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with (self.logs / f"{name}.log").open("ab") as log:
+            # a session of its own: the terminal's Ctrl-C reaches only us, and we drain in order
+            return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+
+    def all(self) -> list[subprocess.Popen[bytes]]:
+        return [*self.workers.values(), *self.others.values()]
+
+    def tail(self, name: str, n: int = 1500) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+    def stop(self, timeout_s: float, force: list[bool]) -> dict[str, int | None]:
+        """SIGTERM the workers (they hand back what they hold and stop their servers), then the head and
+        the supervisor; SIGKILL whatever outlives `timeout_s` or when `force[0]` turns true (a second Ctrl-C)."""
+        codes: dict[str, int | None] = {}
+        for group in ({f"worker-gpu{g}": p for g, p in self.workers.items()}, self.others):
+            for p in group.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while any(p.poll() is None for p in group.values()) and time.monotonic() < deadline and not force[0]:
+                time.sleep(0.1)
+            for name, p in group.items():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+                codes[name] = p.returncode
+        return codes
+
+
+def _env(config: Config, url: str, run: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("BATCHFLEET_QUEUES",)}
+    env.update({
+        "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        "REDIS_URL": url, "BATCHFLEET_REDIS_URL": url, "RQ_REDIS_URL": url,
+        "RQ_WORKER_CLASS": "worker.GPUWorker",
+        "BATCHFLEET_RUN": run,
+        "BATCHFLEET_STATE_DIR": str(config.state_dir),
+        # queues of its own (<run>.gpuN): a Redis shared with other work keeps its queues to itself
+        "BATCHFLEET_QUEUE_PATTERN": re.escape(run) + r"\.gpu\d+",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def _exe(name: str) -> str:
+    path = BIN / name
+    return str(path) if path.exists() else (shutil.which(name) or name)
+
+
+# --- the command ------------------------------------------------------------------------------------
+def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
+    problem = input_problem(args.file)
+    if problem:
+        raise UsageError(problem)
+    try:  # before hours of work, not after
+        check_target(args.output, "-o")
+        if args.errors is not None:
+            check_target(args.errors, "--errors")
+    except ExportError as exc:
+        raise UsageError(str(exc)) from None
+    gpus = parse_gpus(args.gpus) if args.gpus else detect_gpus()
+    if not gpus:
+        raise UsageError("no GPU found (nvidia-smi lists none): give --gpus, e.g. --gpus 0-7")
+    run = args.run or os.environ.get("BATCHFLEET_RUN") or run_name_for(args.file)
+    config = Config.from_env(run=run, redis_url=args.redis_url, state_dir=args.state_dir)
+    config = config.with_(state_dir=config.state_dir.absolute())
+    if not config.model_path:
+        raise UsageError("BATCHFLEET_MODEL_PATH is not set: the model every GPU's server loads")
+    keys = Keys(run)
+    out = sys.stderr
+    screen = Screen(out, args.progress_every)
+    private: PrivateRedis | None = None
+    given = args.redis_url or os.environ.get("BATCHFLEET_REDIS_URL") or os.environ.get("REDIS_URL")
+    try:
+        if given and answers(given):
+            url = given
+            screen.say(f"Redis: {redacted(url)}")
+        else:
+            private = PrivateRedis(config.state_dir / f"{run}.redis").start()
+            url = private.url
+            screen.say(("Redis: none answers at " + redacted(given) + "; " if given else "Redis: ")
+                       + f"a private redis-server at {url} (append-only file in {private.dir})")
+        config = config.with_(redis_url=url)
+        return _serve(args, config, gpus, keys, screen, stop, force)
+    finally:
+        screen.close()
+        if private is not None:
+            private.stop()
+
+
+def _serve(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, screen: Screen,
+           stop: list[bool], force: list[bool]) -> int:
+    run = config.run
+    r = connect(config.redis_url)
+    queues = tuple(f"{run}.gpu{g}" for g in gpus)
+    done = api.enqueue(config, r, args.file, queues=queues, explicit=True, model=args.model or config.model_path,
+                       rejects_path=args.rejects or config.state_dir / f"{run}.rejects.jsonl", progress=True)
+    store: Store = done.store
+    try:
+        s = done.summary
+        screen.say(f"{args.file}: {s.new:,} new, {s.present:,} already in the store, {s.collected:,} already finished, "
+                   f"{s.rejected:,} rejected, {s.duplicates:,} duplicates; run {run}, store {store.path}")
+        if s.rejected or s.duplicates:
+            screen.say(f"rejected lines are in {s.rejects_path}")
+        code = _work(args, config, gpus, keys, store, r, screen, stop, force)
+        if code != EXIT_OK:
+            return code
+        try:
+            ex = export(r, store, keys, args.output, errors=args.errors)
+        except ExportError as exc:
+            raise UsageError(str(exc)) from None
+        screen.say(f"wrote {ex.written:,} lines to {ex.path} ({ex.succeeded:,} succeeded, {ex.failed:,} failed)"
+                   + (f"; failures in {args.errors}" if args.errors else ""))
+        if ex.pending:
+            screen.say(f"{ex.pending:,} prompts have no result yet: run the same command again")
+            return EXIT_ATTENTION
+        return EXIT_ATTENTION if (s.rejected or s.duplicates) else EXIT_OK
+    finally:
+        store.close()
+
+
+def _work(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, store: Store,
+          r: redis.Redis, screen: Screen, stop: list[bool], force: list[bool]) -> int:
+    """Start the processes, show progress until nothing is pending (or Ctrl-C), stop them."""
+    p = gather_progress(r, keys, store)
+    if p["pending"] == 0:
+        screen.progress(p, force=True)
+        return EXIT_OK
+    def on_signal(_sig: int, _frame: object) -> None:
+        if stop[0]:
+            force[0] = True
+        stop[0] = True
+
+    # from here on Ctrl-C drains in order (before, while enqueueing, it interrupts: KeyboardInterrupt)
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _processes(args, config, gpus, keys, store, r, screen, stop, force)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, store: Store,
+               r: redis.Redis, screen: Screen, stop: list[bool], force: list[bool]) -> int:
+    logs = config.state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = _env(config, config.redis_url, config.run)
+    procs = Procs(logs)
+    events = Events(r, keys)
+    for g in gpus:
+        procs.workers[g] = procs.start(f"worker-gpu{g}", [_exe("rq"), "worker", f"{config.run}.gpu{g}"], env)
+    procs.others["head"] = procs.start("head", [_exe("producer"), "head", "--interval", "1"], env)
+    if not args.no_supervisor:
+        procs.others["supervisor"] = procs.start(
+            "supervisor", [_exe("supervisor"), "watch", *(["--dry-run"] if args.dry_run else [])], env)
+    screen.say(f"started {len(gpus)} worker(s) ({config.run}.gpu{gpus[0]} ...), the head"
+               + ("" if args.no_supervisor else ", the supervisor" + (" (advising only)" if args.dry_run else ""))
+               + f"; logs in {logs}")
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    said_down: set[tuple[str, str]] = set()
+    code = EXIT_OK
+    try:
+        while True:
+            for e in events.new():
+                screen.say(event_line(e))
+            p = gather_progress(r, keys, store)
+            for d in p["workers"]["not_serving"]:  # a server that cannot start: say why, once per reason
+                if d["state"] == "down" and (d["worker"], d["message"]) not in said_down:
+                    said_down.add((d["worker"], d["message"]))
+                    why = (d["message"] or "?").strip().splitlines()[0]
+                    log = logs / f"worker-{d['queue'].rpartition('.')[2]}.log"
+                    screen.say(f"{d['queue']}: server DOWN: {why} (see {log})")
+            screen.progress(p)
+            if p["pending"] == 0:
+                screen.progress(p, force=True)
+                break
+            if stop[0]:
+                code = EXIT_INTERRUPTED
+                break
+            dead = [g for g, w in procs.workers.items() if w.poll() is not None]
+            if len(dead) == len(procs.workers):
+                tails = "\n".join(f"--- worker-gpu{g}.log (exit {procs.workers[g].returncode})\n"
+                                  f"{procs.tail(f'worker-gpu{g}')}" for g in dead)
+                screen.say(f"every worker exited; see {logs}\n{tails}")
+                code = EXIT_ERROR
+                break
+            if procs.others["head"].poll() is not None:
+                screen.say(f"the head exited {procs.others['head'].returncode}:\n{procs.tail('head')}")
+                code = EXIT_ERROR
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                screen.say(f"timed out after {args.timeout:g} s with {p['pending']:,} prompts pending")
+                code = EXIT_ERROR
+                break
+            time.sleep(1.0)
+    finally:
+        if code == EXIT_INTERRUPTED:
+            screen.say("interrupted: draining (workers hand back what they hold; Ctrl-C again to kill at once)")
+        codes = procs.stop(config.shutdown_grace_s + 30, force)
+        for e in events.new():
+            screen.say(event_line(e))
+        bad = {n: c for n, c in codes.items() if c not in (0, -signal.SIGTERM)}
+        if bad:
+            screen.say("exit codes: " + ", ".join(f"{n} {c}" for n, c in bad.items()) + f" (logs in {logs})")
+    if code == EXIT_INTERRUPTED:
+        collect_once(r, store, keys)  # what finished while the workers drained: into the store now
+        p = gather_progress(r, keys, store)
+        screen.say(f"stopped: {p['done']:,} of {p['prompts']:,} prompts done, {p['pending']:,} pending (kept in "
+                   f"{store.path}); run the same command again to resume")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    stop, force = [False], [False]
+
+    def interrupt(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # until the processes start, SIGTERM is a Ctrl-C: the private Redis is stopped on the way out
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        return _run(args, stop, force)
+    except (UsageError, ConfigError, StoreError, PrivateRedisError, MissingExtra) as exc:
+        print(f"batchfleet: {exc}", file=sys.stderr)
+    except redis.RedisError as exc:
+        print(f"batchfleet: Redis failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except sqlite3.Error as exc:
+        print(f"batchfleet: store: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("batchfleet: interrupted while enqueueing (what was stored is kept): run the same command again "
+              "to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

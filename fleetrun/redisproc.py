@@ -1,0 +1,130 @@
+"""A private redis-server for one run on one box: the embedded default of `batchfleet run`.
+
+It listens on 127.0.0.1 only, on a free port, and keeps an append-only file (AOF, fsync every
+second) in its own directory inside the run's state dir, so stopping and starting it again — a
+Ctrl-C and a re-run — finds the run's queues, leases and uncollected results where they were. A
+pid file in that directory keeps a second redis-server off the same files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+__all__ = ["PrivateRedis", "PrivateRedisError", "answers"]
+
+
+class PrivateRedisError(Exception):
+    """The private redis-server could not start (a message a person can act on)."""
+
+
+def answers(url: str, timeout_s: float = 1.0) -> bool:
+    """Does a Redis answer PING at `url`?"""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class PrivateRedis:
+    """`start()` / `stop()` (SIGTERM: Redis flushes its AOF and exits), or use as a context manager."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.dir / "redis.pid"
+
+    def start(self, timeout_s: float = 30.0) -> PrivateRedis:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise PrivateRedisError("no Redis answers at REDIS_URL and redis-server is not installed: install it "
+                                    "(apt-get install redis-server) or set REDIS_URL to a Redis that answers")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)  # the run's prompts are in the AOF
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            pid = int(self.pidfile.read_text().strip())
+            if _alive(pid):
+                raise PrivateRedisError(f"a redis-server (pid {pid}) already uses {self.dir}: another `batchfleet "
+                                        "run` of this run is still running (or its Redis outlived it: stop that pid)")
+        self.port = _free_port()
+        log = (self.dir / "redis.log").open("ab")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--pidfile", str(self.pidfile),
+             "--logfile", "", "--daemonize", "no"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # Ctrl-C is ours to handle
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+        while True:
+            if self.proc.poll() is not None:
+                tail = (self.dir / "redis.log").read_text(errors="replace")[-1500:]
+                raise PrivateRedisError(f"redis-server exited {self.proc.returncode} at start; its log "
+                                        f"({self.dir / 'redis.log'}):\n{tail}")
+            try:
+                client.ping()  # also answers LOADING while it reads the AOF: wait for a real PONG
+                break
+            except redis.BusyLoadingError:
+                pass
+            except redis.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise PrivateRedisError(f"redis-server did not answer within {timeout_s:.0f} s (see "
+                                        f"{self.dir / 'redis.log'})")
+            time.sleep(0.05)
+        client.close()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def __enter__(self) -> PrivateRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -64,7 +64,8 @@ def test_insert_is_idempotent_by_custom_id_and_keeps_input_order(tmp_path: Path)
         assert s.insert_prompts(rows(10)) == 10
         assert s.insert_prompts(rows(10)) == 0  # the same custom_ids again: nothing changes
         assert s.insert_prompts(rows(5, start=8)) == 3
-    assert s.counts() == {"prompts": 13, "succeeded": 0, "failed": 0, "pending": 13, "waiting": 13, "fed": 0}
+    assert s.counts() == {"prompts": 13, "succeeded": 0, "failed": 0, "pending": 13, "waiting": 13, "fed": 0,
+                          "cancelled": 0}
     assert s.known(["c0", "c12", "zz"]) == {"c0": (1, 1, 1, 0), "c12": (13, 1, 13, 0)}
     check_tally(s)
 
@@ -93,7 +94,8 @@ def test_results_success_wins_and_export_keeps_input_order(tmp_path: Path) -> No
         # c0 is retried (`rq requeue`) and succeeds; then a stray late failure of c2 arrives
         assert s.store_results([(1, State.DONE, 1, b'"c0 ok"', 12.0), (3, State.DONE, 0, b'"c2 late"', 13.0)]) == 0
     assert list(s.result_lines()) == [b'"c0 ok"', b'"c2 ok"']
-    assert s.counts() == {"prompts": 3, "succeeded": 2, "failed": 0, "pending": 1, "waiting": 0, "fed": 1}
+    assert s.counts() == {"prompts": 3, "succeeded": 2, "failed": 0, "pending": 1, "waiting": 0, "fed": 1,
+                          "cancelled": 0}
     assert s.pending_examples(5) == ["c1"]
     assert not s.fix_tally()
     check_tally(s)

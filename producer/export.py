@@ -1,4 +1,5 @@
-"""`producer export`: the OpenAI batch output file, one line per prompt that has a result.
+"""`producer export`: the OpenAI batch output file, one line per prompt that has a result (a prompt of a
+cancelled run that had none exports with error code `cancelled`).
 
 Lines come out in input order (the store's `seq`), each exactly `Result.batch_output_line()` as the
 collector stored it; only prompts enqueued into the store can have one (see collect.py). The file is
@@ -33,6 +34,7 @@ class ExportSummary:
     written: int = 0
     succeeded: int = 0
     failed: int = 0
+    cancelled: int = 0  # prompts `producer cancel` took back: their lines say error code `cancelled`
     pending: int = 0
     rejected: int = 0  # results dropped over the run because they answered no prompt of it
     first_pending: list[str] = field(default_factory=list)
@@ -61,6 +63,7 @@ def export(r: redis.Redis | None, store: Store, keys: Keys, out: Path, *, wait: 
             # one read snapshot: the counts and the lines agree even while a collector writes
             counts = store.counts()
             summary = ExportSummary(path=out, succeeded=counts["succeeded"], failed=counts["failed"],
+                                    cancelled=counts["cancelled"],
                                     pending=counts["pending"], rejected=store.rejected_results(),
                                     first_pending=store.pending_examples(SHOW_PENDING))
             for line in store.result_lines():

@@ -21,7 +21,8 @@ result that arrives anyway (a worker that finished before it saw the flag) repla
 **Purge** (`producer purge RUN --yes`): every key of the run, found with SCAN (never KEYS): the
 run's RQ jobs (their `data` ends with the run's name, see `feed`), their entries in queues and RQ's
 started/failed registries, the queues left empty in `rq:queues`, and `bf:<run>:*`. Refused while
-live workers of the run report (their status records), unless `--force`.
+live workers of the run report (their status records), unless `--force`. RQ's records of the run's
+dead workers (`rq:worker:<name>` of workers that served only the run's queues) go too.
 
 **Finished**: once every prompt has its result in the store (nothing pending), the head sets a TTL
 (config `finished_ttl_s`, BATCHFLEET_FINISHED_TTL_S, default 7 days) on every key of
@@ -55,6 +56,7 @@ from batchfleet.keys import (
     RQ_QUEUES,
     RQ_RESULTS_PREFIX,
     RQ_STARTED_PREFIX,
+    RQ_WORKER_PREFIX,
     TRIMMED,
     Keys,
     valid_queue_name,
@@ -286,6 +288,7 @@ class PurgeSummary:
     jobs: int = 0  # RQ job hashes of the run deleted
     keys: int = 0  # bf:<run>:* keys deleted
     queues: list[str] = field(default_factory=list)  # queues the run's jobs were on
+    workers: int = 0  # RQ's records of the run's dead workers deleted
 
 
 def _run_suffix(run: str) -> bytes:
@@ -344,6 +347,7 @@ def purge(r: redis.Redis, keys: Keys, *, force: bool = False, queues: Iterable[s
             r.zrem(Keys.started(q), *members)
         if not r.exists(Keys.queue(q), Keys.started(q), Keys.failed(q)):
             r.srem(RQ_QUEUES, Keys.queue(q))
+    out.workers = _purge_dead_workers(r, set(qs))
     batch: list[bytes] = []
     for key in r.scan_iter(match=keys.pattern, count=PAGE):
         batch.append(key)
@@ -353,6 +357,20 @@ def purge(r: redis.Redis, keys: Keys, *, force: bool = False, queues: Iterable[s
     if batch:
         out.keys += r.unlink(*batch)
     return out
+
+
+def _purge_dead_workers(r: redis.Redis, queues: set[str]) -> int:
+    """RQ's records of dead workers (`rq:worker:<name>`, kept a minute after a worker stops) that served
+    only the run's queues."""
+    if not queues:
+        return 0
+    n = 0
+    for key in r.scan_iter(match=RQ_WORKER_PREFIX + "*", count=PAGE):
+        served, death = r.hmget(key, "queues", "death")
+        names = {q for q in (served or b"").decode(errors="replace").split(",") if q}
+        if death is not None and names and names <= queues:
+            n += r.delete(key)
+    return n
 
 
 # --- finished ---------------------------------------------------------------------------------------

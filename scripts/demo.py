@@ -4,7 +4,8 @@ Enqueues the bundled sample, starts one simulated SGLang server + batchfleet wor
 same `rq worker gpuN` a real host runs), shows the supervisor's view while they work, then stops
 everything, exports the results and prints a summary. Uses the Redis at REDIS_URL when it answers,
 else starts a private redis-server for the duration. Everything it writes goes under var/demo/ (the
-run's store, `<run>.sqlite`, too; `head.log` is the head process's output).
+run's store, `<run>.sqlite`, too; `head.log` is the head process's output); in a shared Redis it
+purges its run at the end (`producer purge`), so nothing of it stays there.
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ def main() -> int:
     summary(out, workdir, elapsed, args.time_scale)
     if private_redis is not None:
         private_redis.__exit__(None, None, None)
+    else:
+        # A shared Redis keeps nothing of the demo: its processes are stopped, the store and the export
+        # stay under var/demo/.
+        console.rule("5. purge the demo's run from the shared Redis")
+        subprocess.run([str(BIN / "producer"), "purge", run, "--yes", "--force"], env=env, check=False)
     return 0
 
 

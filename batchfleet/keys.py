@@ -10,7 +10,7 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | rq:job:<id> | hash | producer/worker | the RQ job; deleted when it succeeds (result_ttl=0) |
 | rq:wip:<q> | zset | worker | RQ's started registry (`rq info` "executing") |
 | rq:failed:<q> | zset | worker | RQ's failed registry (`rq requeue` works on it) |
-| rq:worker:<name> | hash | RQ | RQ's record of a worker (kept a minute after it stops) |
+| rq:worker:<name> | hash | RQ | RQ's record of a worker (kept a minute after it stops); in `rq:workers`(:<q>) |
 | rq:results:<id> | stream | RQ | a stock RQ worker's record of a job it ran (deleted by `producer recover`) |
 | bf:<run>:leases | zset | worker | "<job id>:<execution id>" -> expiry, Redis's clock (TIME); lapses if not renewed |
 | bf:<run>:strikes | hash | worker | job id -> server deaths it was in (STRIKES_TTL_S; field gone when it finishes) |
@@ -63,6 +63,7 @@ RQ_STARTED_PREFIX = "rq:wip:"
 RQ_FAILED_PREFIX = "rq:failed:"
 RQ_RESULTS_PREFIX = "rq:results:"
 RQ_WORKER_PREFIX = "rq:worker:"  # RQ's record of one worker (`producer purge` deletes dead ones of the run)
+RQ_WORKERS = "rq:workers"  # RQ's set of worker keys; `rq:workers:<queue>` per queue
 
 # What a queue name may hold (it becomes part of RQ's key names and of log lines).
 QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")

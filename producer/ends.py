@@ -57,6 +57,7 @@ from batchfleet.keys import (
     RQ_RESULTS_PREFIX,
     RQ_STARTED_PREFIX,
     RQ_WORKER_PREFIX,
+    RQ_WORKERS,
     TRIMMED,
     Keys,
     valid_queue_name,
@@ -347,7 +348,7 @@ def purge(r: redis.Redis, keys: Keys, *, force: bool = False, queues: Iterable[s
             r.zrem(Keys.started(q), *members)
         if not r.exists(Keys.queue(q), Keys.started(q), Keys.failed(q)):
             r.srem(RQ_QUEUES, Keys.queue(q))
-    out.workers = _purge_dead_workers(r, set(qs))
+    out.workers = _purge_dead_workers(r, set(qs), force=force)
     batch: list[bytes] = []
     for key in r.scan_iter(match=keys.pattern, count=PAGE):
         batch.append(key)
@@ -359,17 +360,23 @@ def purge(r: redis.Redis, keys: Keys, *, force: bool = False, queues: Iterable[s
     return out
 
 
-def _purge_dead_workers(r: redis.Redis, queues: set[str]) -> int:
-    """RQ's records of dead workers (`rq:worker:<name>`, kept a minute after a worker stops) that served
-    only the run's queues."""
+def _purge_dead_workers(r: redis.Redis, queues: set[str], *, force: bool) -> int:
+    """RQ's records (`rq:worker:<name>`, and its entries in `rq:workers`, `rq:workers:<queue>`) of workers
+    that served only the run's queues and stopped (kept a minute by RQ) — with `force`, also of those that
+    did not say so (killed: the caller says they are gone)."""
     if not queues:
         return 0
     n = 0
     for key in r.scan_iter(match=RQ_WORKER_PREFIX + "*", count=PAGE):
         served, death = r.hmget(key, "queues", "death")
         names = {q for q in (served or b"").decode(errors="replace").split(",") if q}
-        if death is not None and names and names <= queues:
-            n += r.delete(key)
+        if (death is not None or force) and names and names <= queues:
+            pipe = r.pipeline(transaction=False)
+            pipe.delete(key)
+            pipe.srem(RQ_WORKERS, key)
+            for q in names:
+                pipe.srem(RQ_WORKERS + ":" + q, key)
+            n += pipe.execute()[0]
     return n
 
 

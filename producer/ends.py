@@ -265,7 +265,7 @@ def cancel(r: redis.Redis, store: Store, keys: Keys, *, wait_s: float = 30.0, po
         rest = store.cancel([State.FED, State.WAITING], line, at)
     _remove_jobs(r, keys, (cid for _, cid in rest), {})
     out.cancelled = len(first) + len(rest)
-    out.removed = {k: v for k, v in removed.items() if k in ("queued", "in_flight", "failed")}
+    out.removed = {k: removed[k] for k in ("queued", "in_flight", "failed") if removed.get(k)}
     deadline = time.monotonic() + wait_s
     while True:
         live = live_workers(r, keys)

@@ -153,14 +153,15 @@ def test_purge_removes_every_key_of_the_run_and_only_its(fleets: Callable[..., F
 
 
 def test_a_finished_runs_keys_expire(fleets: Callable[..., Fleet], r: redis.Redis) -> None:
-    fleet = fleets(run="tx", prefix="tx.", gpus=1, env={"BATCHFLEET_FINISHED_TTL_S": "4",
+    fleet = fleets(run="tx", prefix="tx.", gpus=1, env={"BATCHFLEET_FINISHED_TTL_S": "8",
                                                         "BATCHFLEET_LEASE_TTL_S": "3"})
     write_prompts(fleet.tmp / "prompts.jsonl", 20, max_tokens=16)
     fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues, "--no-progress")
     fleet.start_worker(0)
     fleet.start_head()
     fleet.wait_for(lambda: "has finished" in fleet.head_log(), 180, "the head to see the run finished")
-    assert 0 < r.ttl(fleet.k.meta) <= 4 and 0 < r.ttl(fleet.k.stats) <= 4
+    assert all(r.ttl(key) == -2 or 0 < r.ttl(key) <= 8 for key in (fleet.k.meta, fleet.k.stats, fleet.k.done))
+    assert r.ttl(fleet.k.meta) != -1  # -2: already gone (a slow box), else a TTL of at most 8 s
     # Everything but what the live worker keeps writing (its status record, which expires by itself,
     # and the set naming it) goes within the TTL; the head writes nothing more.
     fleet.wait_for(lambda: set(run_keys(r, "tx")) <= {fleet.k.workers, *(fleet.k.status(n.decode())
@@ -213,8 +214,7 @@ def test_failed_jobs_keep_a_bounded_stub_and_rq_requeue_still_runs_them(fleets: 
     assert done.returncode == 0, done.stderr
     fleet.start_worker(0)
     fleet.start_head()
-    fleet.wait_for(lambda: "2 failed prompt(s) brought back by `rq requeue`" in fleet.head_log(), 120,
-                   "the head to feed them again")
+    fleet.wait_for(lambda: "brought back by `rq requeue`" in fleet.head_log(), 120, "the head to feed them again")
     fleet.wait_for(lambda: fleet.stats().get("failed", 0) == 4, 300, "the two prompts to run again")
     fleet.wait_for(lambda: fleet.head_log().count("has finished") == 2, 120, "the head to collect them")
     again = export_lines(fleet, "again.jsonl")

@@ -13,7 +13,8 @@
   4. results already in the stream are collected (they stay, and export as they are);
   5. the store marks the FED prompts still without a result CANCELLED, and their jobs are removed
      once more (a head in the middle of a feed pass when the flag went up);
-  6. it waits (bounded) for the acknowledgements of the run's live workers.
+  6. it waits (bounded) for the acknowledgements of the run's live workers;
+  7. the run has ended: its keys get their end-of-run TTL (below), head or no head.
 
 A cancelled prompt's export line is `error.code == "cancelled"`: results == prompts still holds. A
 result that arrives anyway (a worker that finished before it saw the flag) replaces that line.
@@ -62,13 +63,13 @@ from batchfleet.keys import (
     Keys,
     valid_queue_name,
 )
-from batchfleet.marker import read_marker
+from batchfleet.marker import FINISHED, read_marker
 from batchfleet.records import RecordError, WorkerStatus, job_id_for
 
 from .store import State, Store
 
 __all__ = ["CANCELLED", "CancelSummary", "PurgeRefused", "PurgeSummary", "cancel", "cancelled_line",
-           "expire_finished", "live_workers", "purge", "refeed", "run_cancel", "run_purge", "trim_failed"]
+           "expire_finished", "live_workers", "mark_ended", "purge", "refeed", "run_cancel", "run_purge", "trim_failed"]
 
 CANCELLED = "cancelled"  # the export's error code of a cancelled prompt
 PAGE = 1000
@@ -241,8 +242,10 @@ def _remove_jobs(r: redis.Redis, keys: Keys, cids: Iterable[str], into: dict[str
         go()
 
 
-def cancel(r: redis.Redis, store: Store, keys: Keys, *, wait_s: float = 30.0, poll_s: float = 0.25) -> CancelSummary:
-    """Cancel the run (see the module doc)."""
+def cancel(r: redis.Redis, store: Store, keys: Keys, *, wait_s: float = 30.0, poll_s: float = 0.25,
+           ttl_s: int | None = None) -> CancelSummary:
+    """Cancel the run (see the module doc). `ttl_s`: then give the run's keys their end-of-run TTL (as
+    the head does once it sees the run ended), so they expire even without a head."""
     out = CancelSummary()
     at = time.time()
     run = keys.run
@@ -275,8 +278,18 @@ def cancel(r: redis.Redis, store: Store, keys: Keys, *, wait_s: float = 30.0, po
         out.silent = [w for w in live if w not in acks]
         out.dropped = sum(acks.values())
         if not out.silent or time.monotonic() >= deadline:
-            return out
+            break
         time.sleep(poll_s)
+    if ttl_s is not None:
+        mark_ended(r, keys)
+        expire_finished(r, store, keys, ttl_s)
+    return out
+
+
+def mark_ended(r: redis.Redis, keys: Keys) -> None:
+    """Say in the run marker that the run ended: its keys expire, and a missing marker is then no loss."""
+    if r.exists(keys.meta):
+        r.hset(keys.meta, FINISHED, repr(time.time()))
 
 
 # --- purge ------------------------------------------------------------------------------------------
@@ -448,7 +461,7 @@ def run_cancel(config: Config, r: redis.Redis, *, explicit: bool, wait_s: float)
     loc = locate(config, r, explicit=explicit, mode=Mode.WRITE)
     keys = Keys(config.run)
     try:
-        s = cancel(r, loc.store, keys, wait_s=wait_s)
+        s = cancel(r, loc.store, keys, wait_s=wait_s, ttl_s=config.finished_ttl_s)
         with loc.store.read():
             counts = loc.store.counts()
     finally:

@@ -35,10 +35,10 @@ from batchfleet.config import Config
 from batchfleet.connection import connect, redacted
 from batchfleet.errors import RecordError
 from batchfleet.keys import STORE_WAITING, Keys
-from batchfleet.marker import FINISHED, RunMarker, read_marker, repair_command
+from batchfleet.marker import RunMarker, read_marker, repair_command
 
 from .collect import CollectSummary, collect_once
-from .ends import expire_finished, refeed
+from .ends import expire_finished, mark_ended, refeed
 from .feed import DrainMeter, Feeder, read_fleet_view
 from .locate import Mode, NoStore, ensure_marker, locate
 from .recover import audit, recover
@@ -169,8 +169,7 @@ class Head:
         if self.ended or counts["prompts"] == 0:
             return
         assert self.store is not None
-        if self.r.exists(self.keys.meta):
-            self.r.hset(self.keys.meta, FINISHED, repr(time.time()))
+        mark_ended(self.r, self.keys)
         n = expire_finished(self.r, self.store, self.keys, self.config.finished_ttl_s)
         self.ended = True
         how = f"was cancelled ({counts['cancelled']:,} prompt(s) cancelled)" if cancelled else "has finished"

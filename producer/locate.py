@@ -108,9 +108,10 @@ def ensure_marker(r: redis.Redis, config: Config, store: Store, *, queues: tuple
     marker = RunMarker(store_id=store.id, host=HOST, path=str(store.path), created=store.created, queues=merged)
     if old != marker:
         r.hset(keys.meta, mapping=marker.to_mapping())
-    # the run has work again: a marker left by its end (with a TTL) lives as long as the run now
+    # the run has work again: keys left with a TTL by its end (see producer.ends) live as long as it now
     pipe = r.pipeline(transaction=False)
     pipe.hdel(keys.meta, FINISHED)
-    pipe.persist(keys.meta)
+    for key in keys.run_keys():
+        pipe.persist(key)
     pipe.execute()
     return marker

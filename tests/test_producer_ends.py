@@ -38,6 +38,9 @@ def test_cancel_removes_every_job_without_a_result_and_exports_one_line_per_prom
     assert queued_ids(r, "gpu0") == [] and r.zcard(keys.leases) == 0 and r.zcard(Keys.started("gpu0")) == 0
     assert set(run_jobs(r, RUN)) == {j.decode() for j in r.zrange(Keys.failed("gpu0"), 0, -1)}  # only p3's
     assert r.hget(keys.cancel, "at") is not None
+    # the run has ended: its keys expire (BATCHFLEET_FINISHED_TTL_S, default 7 days), the marker says so
+    assert r.hget(keys.meta, "finished") is not None
+    assert all(0 < r.ttl(k) <= 7 * 24 * 3600 for k in (keys.meta, keys.stats, keys.cancel))
 
     out_file = tmp_path / "out.jsonl"
     rc, out, _ = cli("export", str(out_file))

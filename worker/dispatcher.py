@@ -118,6 +118,8 @@ class Dispatcher:
             await self.accepting.wait()
             await self._wait_checked()
             if self.cancelled:
+                if burst and not self.tasks:
+                    return  # nothing of a cancelled run will come
                 await asyncio.sleep(0.5)
                 continue
             if self._solo is not None:  # a prompt runs alone: nothing else until it is done

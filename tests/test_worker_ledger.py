@@ -11,7 +11,7 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
-from batchfleet.keys import Keys
+from batchfleet.keys import FAILURE_TTL_S, Keys
 from batchfleet.records import Result
 from batchfleet.serializer import OrjsonSerializer
 from worker.ledger import Ledger, parse_job_data
@@ -200,7 +200,6 @@ def test_a_failed_jobs_hash_expires_with_its_registry_entry(r, redis_url):
         await ledger.flush()
 
     run(go())
-    from batchfleet.keys import FAILURE_TTL_S
 
     assert FAILURE_TTL_S - 60 < r.ttl(Keys.job(jid)) <= FAILURE_TTL_S
     assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [jid]

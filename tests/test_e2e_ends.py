@@ -180,7 +180,7 @@ def test_a_finished_runs_keys_expire(fleets: Callable[..., Fleet], r: redis.Redi
 
 
 def _job_bytes(r: redis.Redis, run: str) -> int:
-    return sum(r.memory_usage(Keys.job(j)) or 0 for j in run_jobs(r, run))
+    return sum(r.memory_usage(Keys.job(j), samples=0) or 0 for j in run_jobs(r, run))  # every field, no sampling
 
 
 def test_failed_jobs_keep_a_bounded_stub_and_rq_requeue_still_runs_them(fleets: Callable[..., Fleet],

@@ -87,7 +87,9 @@ def roles(run: str = "*") -> dict[str, Role]:
     k = Keys(run)
     rq_jobs = (RQ_QUEUE_PREFIX + "*", RQ_JOB_PREFIX + "*", RQ_STARTED_PREFIX + "*", RQ_FAILED_PREFIX + "*")
     everything_of_run = (k.prefix + "*", "rq:*")
-    feeder = Role("producer", write=(*rq_jobs, RQ_QUEUES, RQ_RESULTS_PREFIX + "*", k.meta, k.stats, k.done, k.results),
+    # `producer cancel` takes jobs out of the strike lists and leases too, and flags the cancel
+    feeder = Role("producer", write=(*rq_jobs, RQ_QUEUES, RQ_RESULTS_PREFIX + "*", k.meta, k.stats, k.done, k.results,
+                                     k.cancel, k.refeed, k.leases, k.strikes, k.suspects, k.isolate),
                   read=everything_of_run, channels=(), commands=_DATA)
     return {
         "producer": feeder,
@@ -96,7 +98,7 @@ def roles(run: str = "*") -> dict[str, Role]:
             "worker",
             write=(*rq_jobs, RQ_WORKER_PREFIX + "*", RQ_WORKERS, RQ_WORKERS + ":*", RQ_CLEAN_LOCK_PREFIX + "*",
                    k.leases, k.done, k.results, k.stats, k.strikes, k.suspects, k.isolate, k.workers,
-                   k.status("*"), k.events),
+                   k.status("*"), k.events, k.refeed, k.cancel),  # cancel: its acknowledgement field
             read=(k.control, k.meta, RQ_QUEUES, RQ_SUSPENDED),
             channels=(RQ_PUBSUB_PREFIX + "*",),
             commands=(*_DATA, "+subscribe", "+unsubscribe")),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from .errors import ConfigError
-from .keys import valid_queue_name
+from .keys import FINISHED_TTL_S, valid_queue_name
 from .records import STRATEGIES
 from .redact import MASK, redact_argv, redact_url
 
@@ -84,6 +84,9 @@ class Config:
     window_default: int = 1000
     window_max: int = 20_000
 
+    # A finished run's keys (every prompt has its result in the store) expire after this (see producer.ends).
+    finished_ttl_s: int = FINISHED_TTL_S
+
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
@@ -92,6 +95,8 @@ class Config:
         bad = [q for q in self.queues if not valid_queue_name(q)]
         if bad:
             raise ConfigError(f"queue names may only hold letters, digits, '_', '.' and '-': {', '.join(bad)}")
+        if self.finished_ttl_s < 1:
+            raise ConfigError("finished_ttl_s must be at least 1 (seconds)")
         if self.window_s <= 0 or self.window_default < 1 or self.window_max < 1:
             raise ConfigError("window_s, window_default and window_max must be positive")
         try:

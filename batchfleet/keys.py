@@ -27,6 +27,8 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | bf:<run>:control | hash | supervisor | desired `ServerSpec`: field `fleet`, `queue:<queue>` overrides (one GPU) |
 | bf:<run>:history | stream | supervisor | fleet samples (field `s`) for `supervisor report` (capped) |
 | bf:<run>:autopilot | string | supervisor | the autopilot's state (phase, changes tried and failed) |
+| bf:<run>:cancel | hash | producer/worker | `producer cancel` was run: `at`; `ack:<worker>` = prompts dropped |
+| bf:<run>:refeed | list | worker | custom_ids of trimmed failed jobs `rq requeue` brought back: the head feeds them |
 
 Counters in `bf:<run>:stats` (`<name>:<queue>` counts per origin queue where noted):
 `enqueued`(:q), `succeeded`(:q), `failed`(:q; includes quarantined prompts), `completion_tokens`,
@@ -37,8 +39,14 @@ registry, no result), `server_deaths`, `struck` (strikes given), `quarantined`.
 A job waiting to run is in one of three lists: its queue `rq:queue:<q>`, or `bf:<run>:suspects` /
 `bf:<run>:isolate` once a server died with it inside (status `queued` in each case).
 
-(*) No TTL: the marker lives as long as the run. Its absence while the store has fed prompts means
-Redis lost the run's data (see `batchfleet.marker`).
+Runs end (see `producer.ends`): `producer cancel` empties the run's part of Redis but its results;
+`producer purge` deletes every key of the run; once every prompt of the run has its result in the
+store, the head sets FINISHED_TTL_S (config `finished_ttl_s`) on every key of `Keys.run_keys` and on
+the run's failed jobs. A failed job whose result is collected keeps a trimmed `data` (its prompt is in
+the store; `rq requeue` still works: the worker hands it to the head through `refeed`).
+
+(*) No TTL while the run has prompts to finish (an ended run's keys expire). Its absence while the
+store has prompts in Redis (FED) means Redis lost the run's data (see `batchfleet.marker`).
 (**) A gauge, not a counter: prompts in the store the head has not fed to Redis yet (set by the head).
 """
 
@@ -80,6 +88,8 @@ FAILURE_TTL_S = 7 * 24 * 3600  # failed jobs stay requeueable for a week (RQ's d
 STATUS_TTL_S = 30  # a worker silent this long is treated as gone
 STARTED_REGISTRY_TTL_S = 24 * 3600  # RQ's cleanup must never reap our jobs; leases do that job
 STRIKES_TTL_S = 7 * 24 * 3600  # a prompt's server-death count outlives any worker, not the run's failed jobs
+FINISHED_TTL_S = 7 * 24 * 3600  # default life of a finished run's keys (config `finished_ttl_s`)
+TRIMMED = "trimmed"  # field of a failed job hash whose `data` was trimmed (its original size in bytes)
 EVENTS_MAXLEN = 10_000
 HISTORY_MAXLEN = 100_000  # one fleet sample per second is a day of history
 
@@ -189,6 +199,28 @@ class Keys:
     @property
     def autopilot(self) -> str:
         return self.prefix + "autopilot"
+
+    @property
+    def cancel(self) -> str:
+        """The run's cancel flag (a hash: `at`, `ack:<worker>`); see `producer.ends`."""
+        return self.prefix + "cancel"
+
+    CANCEL_ACK_PREFIX = "ack:"
+
+    @property
+    def refeed(self) -> str:
+        return self.prefix + "refeed"
+
+    @property
+    def pattern(self) -> str:
+        """SCAN MATCH pattern of every batchfleet key of the run (run names hold no glob characters)."""
+        return self.prefix + "*"
+
+    def run_keys(self) -> list[str]:
+        """The run's fixed batchfleet keys (status:<worker> records expire by themselves)."""
+        return [self.leases, self.done, self.results, self.meta, self.stats, self.strikes, self.suspects,
+                self.isolate, self.workers, self.events, self.control, self.history, self.autopilot, self.cancel,
+                self.refeed]
 
     CONTROL_FLEET = "fleet"
 

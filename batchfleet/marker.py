@@ -2,9 +2,13 @@
 
 The producer writes it when a run is first enqueued (and restores it after repairing a loss): the
 store's host, absolute path and id (a uuid kept in the store), when it was created, and the queues
-given for the run. It has no TTL. So a run whose store has put prompts into Redis but whose marker
-is gone has lost its Redis data (a restart without persistence, a failover to a replica that missed
-writes): every process that notices says so with `repair_command`, and the head repairs it by itself.
+given for the run. It has no TTL while the run has prompts in Redis. So a run whose store has prompts
+in Redis (FED) but whose marker is gone has lost its Redis data (a restart without persistence, a
+failover to a replica that missed writes): every process that notices says so with `repair_command`,
+and the head repairs it by itself.
+
+A run that ended (every prompt has its result, or it was cancelled) gets the field `FINISHED` in its
+marker, and then a TTL on its keys (`producer.ends`): when that marker goes, nothing was lost.
 
 Read side: the marker is data from Redis, validated here; a malformed one is a `RecordError`.
 """
@@ -22,7 +26,9 @@ import redis.asyncio as aioredis
 from .errors import RecordError
 from .keys import Keys, valid_queue_name
 
-__all__ = ["MarkerWatch", "RunMarker", "read_marker", "repair_command"]
+__all__ = ["FINISHED", "MarkerWatch", "RunMarker", "read_marker", "repair_command"]
+
+FINISHED = "finished"  # marker field: the run ended and its keys expire (the head's time, informational)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,16 +87,22 @@ class MarkerWatch:
         self.log = log
         self.seen: tuple[str, str] | None = None  # (host, path) of the store, from the last marker seen
         self.warned = False
+        self.finished = False  # the last marker seen said the run ended: its keys expire, nothing is lost
 
     async def check(self, client: aioredis.Redis, *, busy: bool) -> bool:
         """True when the marker is there. `busy`: this worker holds or finished prompts of the run."""
-        host, path = await client.hmget(self.keys.meta, "host", "path")
+        host, path, finished = await client.hmget(self.keys.meta, "host", "path", FINISHED)
         if host is not None and path is not None:
             self.seen = (host.decode(errors="replace"), path.decode(errors="replace"))
+            self.finished = finished is not None
             if self.warned:
                 self.warned = False
                 self.log.warning("run marker %s is back", self.keys.meta)
             return True
+        if self.finished:  # expired (or purged) after the run ended: not a loss
+            self.finished, self.seen = False, None
+            self.log.info("run %s ended and its keys expired (%s is gone)", self.keys.run, self.keys.meta)
+            return False
         if not self.warned and (self.seen or busy):
             self.warned = True
             run = self.keys.run

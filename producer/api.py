@@ -16,7 +16,7 @@ from .enqueue import EnqueueSummary, enqueue_file
 from .feed import FeedSummary, feed_pass, read_fleet_view
 from .locate import Located, Mode, ensure_marker, locate
 from .recover import recover
-from .store import Store
+from .store import Store, StoreError
 
 __all__ = ["Enqueued", "enqueue", "repair_if_lost"]
 
@@ -45,6 +45,10 @@ def enqueue(config: Config, r: redis.Redis, path: str | Path, *, queues: tuple[s
     """`producer enqueue`: the file into the run's store, the run marker, one feed pass."""
     loc = locate(config, r, explicit=explicit, mode=Mode.CREATE)
     try:
+        if loc.store.cancelled_at() is not None:
+            raise StoreError(f"run {config.run} was cancelled (producer cancel): its workers take no more work; "
+                             f"enqueue under a new run name, or `producer purge {config.run} --yes` first and "
+                             "start a new store")
         repair_if_lost(config, r, loc)
         if not queues and not (loc.marker and loc.marker.queues) and not read_fleet_view(r, Keys(config.run)).capacity:
             queues = (DEFAULT_QUEUE,)  # nothing given and no worker yet: where `rq worker gpu0` looks

@@ -27,7 +27,7 @@ from batchfleet.keys import Keys
 from batchfleet.marker import repair_command
 from batchfleet.redact import Scrubber
 
-from . import api
+from . import api, ends
 from .collect import collect_once
 from .export import ExportError, export
 from .feed import feed_pass
@@ -93,6 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--wait", action="store_true", help="wait until no prompt is pending")
     x.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
 
+    c = sub.add_parser("cancel", help="cancel the run: remove its queued prompts from Redis, make its workers drop "
+                       "the in-flight ones; results so far are kept (export marks the rest `cancelled`)")
+    c.add_argument("--wait", type=float, default=30.0, metavar="S",
+                   help="wait this long for the live workers to confirm (default 30)")
+    c = sub.add_parser("purge", help="delete every key of run RUN from Redis (SCAN; the store is kept)")
+    c.add_argument("target", metavar="RUN", help="the run to purge")
+    c.add_argument("--yes", action="store_true", help="really delete (without it: say what would go)")
+    c.add_argument("--force", action="store_true", help="even while live workers of the run report")
+
     sub.add_parser("recover", help="requeue, from the store, the fed prompts that are nowhere in Redis or were "
                                    "failed by a non-batchfleet worker; restore the run marker")
     for name, sp in sub.choices.items():  # --run/--redis-url also after any subcommand
@@ -149,6 +158,11 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     if args.cmd == "runs":
         print(format_runs(list_runs(r), as_json=args.json))
         return 0
+    if args.cmd in ("cancel", "purge"):
+        if args.cmd == "cancel":
+            return ends.run_cancel(config, r, explicit=explicit, wait_s=args.wait)
+        config.with_(run=args.target)  # the same name rules as --run
+        return ends.run_purge(config, r, args.target, yes=args.yes, force=args.force)
     if args.cmd == "status":
         loc = locate(config, r, explicit=explicit, mode=Mode.READ)
         try:
@@ -212,6 +226,8 @@ def _export(args: argparse.Namespace, config: Config, r: redis.Redis, loc: Locat
         return 2
     print(f"wrote {ex.written:,} lines to {ex.path} ({ex.succeeded:,} succeeded, {ex.failed:,} failed)"
           + (f"; {ex.errors_written:,} failed prompt(s) to {ex.errors_path}" if ex.errors_path else ""))
+    if ex.cancelled:
+        print(f"{ex.cancelled:,} line(s) are prompts the run's cancel took back (error code 'cancelled')")
     if ex.rejected:
         print(f"{ex.rejected:,} result(s) answered no prompt of this run (forged, or another run's) and are not "
               "exported", file=sys.stderr)

@@ -6,7 +6,8 @@ store: its custom_id was enqueued and its job id is `job_id_for(run, custom_id)`
 forged entry, another run's result, an unreadable record) is counted, said, and dropped: the export
 holds only the run's own prompts. Each batch is stored in one write transaction (success wins over
 failure; the prompt becomes DONE) and only after COMMIT are the entries and job ids removed from
-Redis. A crash in between stores the same results again next time, which changes nothing.
+Redis. A crash in between stores the same results again next time, which changes nothing. The job of
+a collected failure is then trimmed to a stub (`ends.trim_failed`): the store holds its prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import redis
 from batchfleet.keys import Keys
 from batchfleet.records import RecordError, Result, job_id_for
 
+from .ends import trim_failed
 from .store import Store
 
 __all__ = ["CollectSummary", "collect_once", "redis_time_s"]
@@ -69,6 +71,7 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
             except (KeyError, RecordError) as exc:
                 parsed.append((eid, None, f"not a result record ({exc})"))
         ok_jids: list[str] = []
+        failed: list[tuple[str, int]] = []  # (cid, seq) of failures stored: their jobs are trimmed
         rows: list[tuple[int, int, int, bytes, float]] = []
         rejected: list[str] = []
         with store.write():
@@ -88,6 +91,7 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
                             out.succeeded += 1
                         else:
                             out.failed += 1
+                            failed.append((res.cid, hit[0]))
                         continue
                 rejected.append(f"stream entry {eid.decode()}: {why}")
             store.store_results(rows)
@@ -101,6 +105,7 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
         if ok_jids:
             pipe.srem(keys.done, *ok_jids)
         pipe.execute()
+        trim_failed(r, keys, failed)  # the store holds these prompts now: their failed jobs keep a stub
         if said > SHOW_REJECTED and len(entries) < batch:
             print(f"collect: dropped {said} result(s) in all that answer no prompt of run {keys.run}",
                   file=log, flush=True)

@@ -1,4 +1,5 @@
-"""`producer export`: the OpenAI batch output file, one line per prompt that has a result.
+"""`producer export`: the OpenAI batch output file, one line per prompt that has a result (a prompt of a
+cancelled run that had none exports with error code `cancelled`).
 
 With `--errors FILE` the failed prompts' lines go to FILE instead (the OpenAI Batch API's
 error file); without it every line is in the one output, as before. The suffix of each file picks
@@ -46,6 +47,7 @@ class ExportSummary:
     written: int = 0
     succeeded: int = 0
     failed: int = 0
+    cancelled: int = 0  # prompts `producer cancel` took back: their lines say error code `cancelled`
     pending: int = 0
     rejected: int = 0  # results dropped over the run because they answered no prompt of it
     first_pending: list[str] = field(default_factory=list)
@@ -165,6 +167,7 @@ def export(r: redis.Redis | None, store: Store, keys: Keys, out: Path, *, wait: 
             # one read snapshot: the counts and the lines agree even while a collector writes
             counts = store.counts()
             summary = ExportSummary(path=out, succeeded=counts["succeeded"], failed=counts["failed"],
+                                    cancelled=counts["cancelled"],
                                     pending=counts["pending"], rejected=store.rejected_results(),
                                     first_pending=store.pending_examples(SHOW_PENDING), errors_path=errors)
             for line in store.result_lines():

@@ -8,7 +8,11 @@ the run's store. Every `interval_s` it
      a foreign (stock RQ) worker are reported with the repair command, not requeued (that worker would
      eat them again);
   4. tops each queue up to its window from the store (`feed`), longest expected work first, and
-     publishes how many prompts still wait in the store (`stats` field `store_waiting`).
+     publishes how many prompts still wait in the store (`stats` field `store_waiting`);
+  5. once the run has ended (nothing pending: every prompt has its result, or `producer cancel`), it
+     only collects: no marker check, audit or feed, and it gives the run's keys their TTL
+     (`ends.expire_finished`, config `finished_ttl_s`) without writing a key again. Prompts enqueued
+     later make the run live again: its keys lose the TTL.
 
 It rides out Redis outages: one warning line when Redis is lost, one when it is back, and it keeps
 looping (never exits non-zero on a blip: under honcho an exit stops the whole host). If the head
@@ -35,6 +39,7 @@ from batchfleet.marker import RunMarker, read_marker, repair_command
 from batchfleet.redact import Scrubber
 
 from .collect import CollectSummary, collect_once
+from .ends import expire_finished, mark_ended, refeed
 from .feed import DrainMeter, Feeder, read_fleet_view
 from .locate import Mode, NoStore, ensure_marker, locate
 from .recover import audit, recover
@@ -66,6 +71,7 @@ class Head:
         self.said_errors: set[str] = set()
         self.stop = threading.Event()
         self._scrub = Scrubber.for_config(config)  # an error text never prints a secret
+        self.ended = False  # the run's keys were given their end-of-run TTL
 
     def say(self, text: str) -> None:
         print(f"head: {self._scrub(text)}", file=self.log, flush=True)
@@ -114,9 +120,33 @@ class Head:
         if self.store is None and not self._open():
             return
         assert self.store is not None and self.feeder is not None
-        self._check_marker()
+        with self.store.read():
+            cancelled = self.store.cancelled_at() is not None
+            live = self.store.counts()["pending"] > 0
+        if live and not cancelled:
+            self._check_marker()
         got = collect_once(self.r, self.store, self.keys, log=self.log)
         self.total.add(got)
+        if not cancelled:
+            n = refeed(self.r, self.store, self.keys)
+            if n:
+                self.say(f"{n:,} failed prompt(s) brought back by `rq requeue` go to the queues again")
+        with self.store.read():
+            counts = self.store.counts()
+        if cancelled or counts["pending"] == 0:  # ended (or being cancelled): collect only
+            if got.stored:
+                self.say(f"+{got.succeeded:,} ok, +{got.failed:,} failed (total {self.total.succeeded:,} ok, "
+                         f"{self.total.failed:,} failed); {counts['pending']:,} pending")
+            if counts["pending"] == 0:
+                self._end(counts, cancelled)
+            return
+        if self.ended:
+            self.ended = False
+            pipe = self.r.pipeline(transaction=False)
+            for key in self.keys.run_keys():
+                pipe.persist(key)
+            pipe.execute()
+            self.say(f"run {self.config.run} has prompts to run again: its keys no longer expire")
         stats = {k.decode(errors="replace"): int(float(v)) for k, v in self.r.hgetall(self.keys.stats).items()
                  if _is_num(v)}
         self.meter.update(stats)
@@ -135,6 +165,19 @@ class Head:
             self.say(f"+{got.succeeded:,} ok, +{got.failed:,} failed (total {self.total.succeeded:,} ok, "
                      f"{self.total.failed:,} failed); fed {fed.total:,}{' (' + per_queue + ')' if per_queue else ''}; "
                      f"{counts['waiting']:,} waiting in the store, {counts['pending']:,} pending")
+
+    def _end(self, counts: dict[str, int], cancelled: bool) -> None:
+        """The run has ended: its keys expire after `finished_ttl_s` (once; nothing is written again)."""
+        if self.ended or counts["prompts"] == 0:
+            return
+        assert self.store is not None
+        mark_ended(self.r, self.keys)
+        n = expire_finished(self.r, self.store, self.keys, self.config.finished_ttl_s)
+        self.ended = True
+        how = f"was cancelled ({counts['cancelled']:,} prompt(s) cancelled)" if cancelled else "has finished"
+        self.say(f"run {self.config.run} {how}: {counts['succeeded']:,} succeeded, {counts['failed']:,} failed; its "
+                 f"{n:,} key(s) in Redis expire in {self.config.finished_ttl_s:,} s (BATCHFLEET_FINISHED_TTL_S); the "
+                 f"store {self.store.path} keeps everything")
 
     def _open(self) -> bool:
         try:
@@ -166,7 +209,7 @@ class Head:
             raise StoreError(f"the run marker in Redis now names store {marker.store_id} at {marker.where}, "
                              f"not this head's {self.store.path} ({self.store.id})")
         if marker is None:
-            if self.store.ever_fed():
+            if self.store.in_redis():
                 s = recover(self.r, self.store, self.keys)
                 self.meter = DrainMeter()
                 self.say(f"WARNING: Redis lost the data of run {self.config.run} (its marker {self.keys.meta} was "

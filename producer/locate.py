@@ -3,8 +3,10 @@
     marker in Redis        the store is the marker's (host, absolute path, id); another host, another
                            path given, or a store with another id is refused with a message naming the
                            right one. Any directory works: no need to cd to where the run was enqueued.
-    no marker, Redis up    a new run (enqueue creates the store and writes the marker), or a run whose
-                           Redis lost its data: the store at --state-dir has fed prompts (`lost`)
+    no marker, Redis up    a new run (enqueue creates the store and writes the marker), a run that ended
+                           (its keys expired or were purged: every prompt has its result or was
+                           cancelled, nothing is FED), or a run whose Redis lost its data: the store at
+                           --state-dir has FED prompts (`lost`)
     Redis down             the store at --state-dir (default .batchfleet/<run>.sqlite), read-only
 
 Reads (`status`, and `export` with Redis down) open SQLite read-only and never create a directory or
@@ -23,7 +25,7 @@ import redis
 from batchfleet.config import Config
 from batchfleet.errors import RecordError
 from batchfleet.keys import Keys
-from batchfleet.marker import RunMarker, read_marker
+from batchfleet.marker import FINISHED, RunMarker, read_marker
 
 from .store import MissingStore, Store, StoreError
 
@@ -94,7 +96,7 @@ def locate(config: Config, r: redis.Redis | None, *, explicit: bool, mode: Mode)
                                  "--state-dir of the run's store") from None
             raise NoStore(f"run {config.run} has no marker in Redis ({keys.meta}) and there is no store at "
                           f"{given}: nothing was enqueued in this run (or give --state-dir)") from None
-    return Located(store, None, redis_error, lost=redis_error is None and store.ever_fed())
+    return Located(store, None, redis_error, lost=redis_error is None and store.in_redis())
 
 
 def ensure_marker(r: redis.Redis, config: Config, store: Store, *, queues: tuple[str, ...] = ()) -> RunMarker:
@@ -106,4 +108,10 @@ def ensure_marker(r: redis.Redis, config: Config, store: Store, *, queues: tuple
     marker = RunMarker(store_id=store.id, host=HOST, path=str(store.path), created=store.created, queues=merged)
     if old != marker:
         r.hset(keys.meta, mapping=marker.to_mapping())
+    # the run has work again: keys left with a TTL by its end (see producer.ends) live as long as it now
+    pipe = r.pipeline(transaction=False)
+    pipe.hdel(keys.meta, FINISHED)
+    for key in keys.run_keys():
+        pipe.persist(key)
+    pipe.execute()
     return marker

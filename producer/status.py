@@ -38,6 +38,7 @@ def gather_status(config: Config, r: redis.Redis, loc: Located) -> dict[str, Any
     with store.read():
         counts = store.counts()
         rejected = store.rejected_results()
+        cancelled_at = store.cancelled_at()
     repair = repair_command(config.run, str(store.path.parent))
     out: dict[str, Any] = {
         "run": config.run,
@@ -49,8 +50,10 @@ def gather_status(config: Config, r: redis.Redis, loc: Located) -> dict[str, Any
         "redis_lost_data": loc.lost,
         "repair": repair if loc.lost else None,
         "rejected_results": rejected,
+        "cancelled_at": cancelled_at,
     }
-    totals: dict[str, Any] = {**{k: counts[k] for k in ("prompts", "succeeded", "failed", "pending", "waiting")}}
+    totals: dict[str, Any] = {**{k: counts[k] for k in ("prompts", "succeeded", "failed", "cancelled", "pending",
+                                                        "waiting")}}
     if loc.redis_error is not None:
         totals.update({k: None for k in ("queued", "in_flight", "done_not_collected", "failed_foreign", "lost")})
         totals["in_redis"] = counts["fed"]
@@ -152,7 +155,10 @@ def format_status(st: dict[str, Any], *, as_json: bool) -> str:
                   for row in rows]
     t = st["totals"]
     lines.append(f"prompts {t['prompts']:,}: {t['succeeded']:,} succeeded, {t['failed']:,} failed, "
-                 f"{t['pending']:,} pending")
+                 + (f"{t['cancelled']:,} cancelled, " if t["cancelled"] else "") + f"{t['pending']:,} pending")
+    if st["cancelled_at"] is not None:
+        lines.append("  the run was cancelled (producer cancel): its workers take no more of its work; export marks "
+                     "the cancelled prompts with error code 'cancelled'")
     if st["redis_up"]:
         parts = [f"{t['waiting']:,} waiting in the store", f"{t['queued']:,} queued", f"{t['in_flight']:,} in flight",
                  f"{t['done_not_collected']:,} done, not collected yet"]

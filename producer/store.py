@@ -6,7 +6,8 @@
         seq    input order across every enqueue of the run (the export's order)
         ep     index into records.ENDPOINTS; body = the request body as JSON, sent as is
         cost   expected work: the body's max_tokens (or max_completion_tokens), UNBOUNDED_COST without
-        state  WAITING (only in the store) -> FED (an RQ job in Redis) -> DONE (its result is here)
+        state  WAITING (only in the store) -> FED (an RQ job in Redis) -> DONE (its result is here);
+               CANCELLED (`producer cancel`: never fed again; its export line is error `cancelled`)
     results(seq INTEGER PRIMARY KEY, ok, line, finished_at)   one final result per prompt, as its export line
     tally(name, n)                           counts per state and of successes, kept in the same
                                              transactions as the rows (COUNT(*) over 10M rows is slow)
@@ -28,7 +29,7 @@ import socket
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
@@ -61,7 +62,7 @@ CREATE TABLE IF NOT EXISTS results (
     seq INTEGER PRIMARY KEY, ok INTEGER NOT NULL, line BLOB NOT NULL, finished_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS tally (name TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
-INSERT OR IGNORE INTO tally (name, n) VALUES ('waiting', 0), ('fed', 0), ('done', 0), ('ok', 0);
+INSERT OR IGNORE INTO tally (name, n) VALUES ('waiting', 0), ('fed', 0), ('done', 0), ('ok', 0), ('cancelled', 0);
 """
 
 _INSERT = "INSERT OR IGNORE INTO prompts (cid, ep, body, file, line, cost) VALUES (?, ?, ?, ?, ?, ?)"
@@ -77,6 +78,7 @@ class State(IntEnum):
     WAITING = 0  # only in the store: the head feeds it when its queue has room
     FED = 1  # an RQ job in Redis (queued, in flight, or finished and not yet collected)
     DONE = 2  # its final result is in `results`
+    CANCELLED = 3  # `producer cancel` took it back before it had a result: `results` holds a `cancelled` line
 
     @property
     def tally(self) -> str:
@@ -192,8 +194,9 @@ class Store:
             self.db.execute("COMMIT")
 
     def _tally(self, name: str, delta: int) -> None:
-        if delta:
-            self.db.execute("UPDATE tally SET n = n + ? WHERE name = ?", (delta, name))
+        if delta:  # an upsert: a store made before a state existed has no row for it
+            self.db.execute("INSERT INTO tally (name, n) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET n = n + ?",
+                            (name, delta, delta))
 
     def _among(self, sql: str, values: Sequence[object]) -> list[tuple]:
         rows: list[tuple] = []
@@ -267,15 +270,18 @@ class Store:
             return 0
         old = {seq: (ok, at) for seq, ok, at in
                self._among("SELECT seq, ok, finished_at FROM results WHERE seq IN ({})", list(best))}
+        # A cancelled prompt's `cancelled` line is no result: a real one replaces it, whenever it comes.
+        gone = {seq for seq, (state, *_) in best.items() if state == State.CANCELLED and seq in old}
         new = [(seq, ok, line, at) for seq, (_, ok, line, at) in best.items() if seq not in old]
         better = [(ok, line, at, seq) for seq, (_, ok, line, at) in best.items()
-                  if seq in old and _wins(ok, at, *old[seq])]
+                  if seq in old and (seq in gone or _wins(ok, at, *old[seq]))]
         self.db.executemany("INSERT INTO results (seq, ok, line, finished_at) VALUES (?, ?, ?, ?)", new)
         self.db.executemany("UPDATE results SET ok = ?, line = ?, finished_at = ? WHERE seq = ?", better)
         self._tally("ok", sum(ok for _, ok, _, _ in new) + sum(ok - old[seq][0] for ok, _, _, seq in better))
-        for state in (State.WAITING, State.FED):
-            self.set_state([seq for seq, *_ in new if best[seq][0] == state], state, State.DONE)
-        return len(new)
+        for state in (State.WAITING, State.FED, State.CANCELLED):
+            # any result ends a prompt's wait, also one fed again (`rq requeue` of a failed job) that had one
+            self.set_state([seq for seq, (st, *_) in best.items() if st == state], state, State.DONE)
+        return len(new) + len(gone)
 
     def add_rejected(self, n: int) -> None:
         if n:
@@ -284,29 +290,65 @@ class Store:
     # --- status / export ----------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         t = dict(self.db.execute("SELECT name, n FROM tally").fetchall())
-        prompts = t["waiting"] + t["fed"] + t["done"]
+        cancelled = t.get("cancelled", 0)
+        prompts = t["waiting"] + t["fed"] + t["done"] + cancelled
         return {"prompts": prompts, "succeeded": t["ok"], "failed": t["done"] - t["ok"],
-                "pending": t["waiting"] + t["fed"], "waiting": t["waiting"], "fed": t["fed"]}
+                "pending": t["waiting"] + t["fed"], "waiting": t["waiting"], "fed": t["fed"], "cancelled": cancelled}
 
     def recount(self) -> dict[str, int]:
         """The tally recomputed from the rows (slow on a big store): what `counts` must equal."""
         by_state = dict(self.db.execute("SELECT state, COUNT(*) FROM prompts GROUP BY state").fetchall())
-        ok = self.db.execute("SELECT COUNT(*) FROM results WHERE ok = 1").fetchone()[0]
-        return {"waiting": by_state.get(0, 0), "fed": by_state.get(1, 0), "done": by_state.get(2, 0), "ok": ok}
+        ok = self.db.execute("SELECT COUNT(*) FROM results r JOIN prompts p ON p.seq = r.seq "
+                             "WHERE r.ok = 1 AND p.state = 2").fetchone()[0]
+        return {"waiting": by_state.get(0, 0), "fed": by_state.get(1, 0), "done": by_state.get(2, 0), "ok": ok,
+                "cancelled": by_state.get(3, 0)}
 
     def fix_tally(self) -> bool:
         """Rewrite the tally from the rows (inside write()); True when it had drifted."""
         real = self.recount()
         have = dict(self.db.execute("SELECT name, n FROM tally").fetchall())
-        if real == have:
+        if real == {k: have.get(k, 0) for k in real}:
             return False
-        self.db.executemany("UPDATE tally SET n = ? WHERE name = ?", [(n, k) for k, n in real.items()])
+        self.db.executemany("INSERT INTO tally (name, n) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET n = excluded.n",
+                            list(real.items()))
         return True
+
+    # --- ends of a run (inside write()) -------------------------------------------------------------
+    def cancel(self, states: Sequence[State], line_for: Callable[[str], bytes], at: float) -> list[tuple[int, str]]:
+        """Mark every prompt in `states` CANCELLED, each with `line_for(cid)` as its export line (a
+        result row with ok = 0), and record when the run was cancelled. Returns their (seq, cid)."""
+        if self.get_meta("cancelled_at") is None:
+            self.db.execute("INSERT INTO meta (key, value) VALUES ('cancelled_at', ?)", (repr(at),))
+        out: list[tuple[int, str]] = []
+        for state in states:
+            rows = self.db.execute("SELECT seq, cid FROM prompts WHERE state = ? ORDER BY seq",
+                                   (int(state),)).fetchall()
+            self.db.executemany("INSERT OR IGNORE INTO results (seq, ok, line, finished_at) VALUES (?, 0, ?, ?)",
+                                [(seq, line_for(cid), at) for seq, cid in rows])
+            self.set_state([seq for seq, _ in rows], state, State.CANCELLED)
+            out += rows
+        return out
+
+    def cancelled_at(self) -> float | None:
+        value = self.get_meta("cancelled_at")
+        return None if value is None else float(value)
+
+    def refeed(self, cids: Sequence[str]) -> int:
+        """Prompts of `cids` that have a failed result go back to WAITING (`rq requeue` of a failed
+        job whose `data` was trimmed: the head feeds it again from here). Returns how many."""
+        rows = self._among("SELECT p.seq FROM prompts p JOIN results r ON r.seq = p.seq "
+                           "WHERE p.state = 2 AND r.ok = 0 AND p.cid IN ({})", list(cids))
+        return self.set_state([seq for (seq,) in rows], State.DONE, State.WAITING)
 
     def ever_fed(self) -> bool:
         """Has any prompt of this store ever been put into Redis?"""
         t = dict(self.db.execute("SELECT name, n FROM tally WHERE name IN ('fed', 'done')").fetchall())
         return t["fed"] + t["done"] > 0
+
+    def in_redis(self) -> bool:
+        """Has the store prompts in Redis now (FED)? Only then can Redis have lost any of them: a run
+        whose prompts all have results (or were cancelled) has nothing there to lose."""
+        return self.db.execute("SELECT n FROM tally WHERE name = 'fed'").fetchone()[0] > 0
 
     def rejected_results(self) -> int:
         return int(self.get_meta("rejected_results") or 0)

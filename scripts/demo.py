@@ -8,7 +8,8 @@ It runs the command a user runs on a GPU host —
 `sim/<profile>`), then prints a summary of the export. `batchfleet run` uses the Redis at REDIS_URL
 when it answers, else starts a private redis-server. Everything goes under var/demo/<run>/: the
 run's store, `results.jsonl`, `<run>.rejects.jsonl` (the sample's deliberately bad lines) and
-`logs/` (servers, workers, head, supervisor).
+`logs/` (servers, workers, head, supervisor). In a shared Redis (REDIS_URL answers) it purges its run at the end
+(`producer purge`), so nothing of it stays there.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import orjson
 from rich.console import Console
+
+from fleetrun.redisproc import answers
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -66,6 +69,13 @@ def main() -> int:
         console.print(f"[red]batchfleet run exited {code}; logs in {workdir / 'logs'}")
         return code or 1
     summary(out, workdir, run, elapsed, args.time_scale)
+    shared = os.environ.get("BATCHFLEET_REDIS_URL") or os.environ.get("REDIS_URL")
+    if shared and answers(shared):
+        # A shared Redis keeps nothing of the demo: its processes are stopped; the store and the export
+        # stay under var/demo/.
+        console.rule("purge the demo's run from the shared Redis")
+        subprocess.run([str(BIN / "producer"), "purge", run, "--yes", "--force", "--state-dir", str(workdir)],
+                       env=env, check=False)
     return 0
 
 

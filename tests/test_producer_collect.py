@@ -142,7 +142,8 @@ def test_status_tells_where_every_prompt_is(cli: Cli, r: redis.Redis, redis_url:
     st = orjson.loads(out)
     t = st["totals"]
     assert t == {"prompts": 14, "succeeded": 2, "failed": 1, "pending": 11, "waiting": 4, "queued": 2, "in_flight": 2,
-                 "done_not_collected": 1, "failed_foreign": 1, "lost": 1, "in_redis": 7}
+                 "done_not_collected": 1, "failed_foreign": 1, "lost": 1, "in_redis": 7,
+                 "cancelled": 0}
     assert t["waiting"] + t["queued"] + t["in_flight"] + t["done_not_collected"] + t["failed_foreign"] + t["lost"] \
         == t["pending"]
     assert st["foreign_failures"] == [{"queue": "gpu0", "worker": "stock-1", "count": 1}]

@@ -22,8 +22,8 @@ def rows(n: int, *, start: int = 0, file_id: int = 1) -> list[tuple[str, int, by
 def check_tally(store: Store) -> None:
     t = store.recount()
     c = store.counts()
-    assert (c["waiting"], c["fed"], c["succeeded"], c["succeeded"] + c["failed"]) == (
-        t["waiting"], t["fed"], t["ok"], t["done"])
+    assert (c["waiting"], c["fed"], c["succeeded"], c["succeeded"] + c["failed"], c["cancelled"]) == (
+        t["waiting"], t["fed"], t["ok"], t["done"], t["cancelled"])
 
 
 def test_a_new_store_is_private_and_keeps_its_identity(tmp_path: Path) -> None:
@@ -64,7 +64,8 @@ def test_insert_is_idempotent_by_custom_id_and_keeps_input_order(tmp_path: Path)
         assert s.insert_prompts(rows(10)) == 10
         assert s.insert_prompts(rows(10)) == 0  # the same custom_ids again: nothing changes
         assert s.insert_prompts(rows(5, start=8)) == 3
-    assert s.counts() == {"prompts": 13, "succeeded": 0, "failed": 0, "pending": 13, "waiting": 13, "fed": 0}
+    assert s.counts() == {"prompts": 13, "succeeded": 0, "failed": 0, "pending": 13, "waiting": 13, "fed": 0,
+                          "cancelled": 0}
     assert s.known(["c0", "c12", "zz"]) == {"c0": (1, 1, 1, 0), "c12": (13, 1, 13, 0)}
     check_tally(s)
 
@@ -93,7 +94,8 @@ def test_results_success_wins_and_export_keeps_input_order(tmp_path: Path) -> No
         # c0 is retried (`rq requeue`) and succeeds; then a stray late failure of c2 arrives
         assert s.store_results([(1, State.DONE, 1, b'"c0 ok"', 12.0), (3, State.DONE, 0, b'"c2 late"', 13.0)]) == 0
     assert list(s.result_lines()) == [b'"c0 ok"', b'"c2 ok"']
-    assert s.counts() == {"prompts": 3, "succeeded": 2, "failed": 0, "pending": 1, "waiting": 0, "fed": 1}
+    assert s.counts() == {"prompts": 3, "succeeded": 2, "failed": 0, "pending": 1, "waiting": 0, "fed": 1,
+                          "cancelled": 0}
     assert s.pending_examples(5) == ["c1"]
     assert not s.fix_tally()
     check_tally(s)
@@ -112,3 +114,46 @@ def test_expected_cost() -> None:
     assert cost_of({"max_tokens": 64}) == 64
     assert cost_of({"max_completion_tokens": 7}) == 7
     assert cost_of({"prompt": "x"}) == UNBOUNDED_COST
+
+
+def test_cancel_marks_the_rest_cancelled_and_a_late_result_replaces_its_line(tmp_path: Path) -> None:
+    s = Store.create_or_open(tmp_path / "r.sqlite", run="r")
+    with s.write():
+        s.insert_prompts(rows(5))
+        s.set_state([1, 2, 3], State.WAITING, State.FED)
+        s.store_results([(1, State.FED, 1, b'"c0 ok"', 10.0)])
+        out = s.cancel([State.WAITING, State.FED], lambda cid: f'"{cid} cancelled"'.encode(), at=20.0)
+    assert sorted(cid for _, cid in out) == ["c1", "c2", "c3", "c4"]
+    assert s.cancelled_at() == 20.0 and not s.in_redis()
+    assert s.counts() == {"prompts": 5, "succeeded": 1, "failed": 0, "pending": 0, "waiting": 0, "fed": 0,
+                          "cancelled": 4}
+    assert list(s.result_lines()) == [b'"c0 ok"', b'"c1 cancelled"', b'"c2 cancelled"', b'"c3 cancelled"',
+                                      b'"c4 cancelled"']
+    check_tally(s)
+    # A worker that finished before it saw the flag: its (real) results replace the cancelled lines.
+    with s.write():
+        late = [(2, State.CANCELLED, 1, b'"c1 ok"', 19.0), (3, State.CANCELLED, 0, b'"c2 no"', 1.0)]
+        assert s.store_results(late) == 2
+    assert list(s.result_lines())[:3] == [b'"c0 ok"', b'"c1 ok"', b'"c2 no"']
+    assert s.counts() == {"prompts": 5, "succeeded": 2, "failed": 1, "pending": 0, "waiting": 0, "fed": 0,
+                          "cancelled": 2}
+    assert not s.fix_tally()
+    check_tally(s)
+
+
+def test_refeed_puts_only_failed_prompts_back_and_their_next_result_ends_them(tmp_path: Path) -> None:
+    s = Store.create_or_open(tmp_path / "r.sqlite", run="r")
+    with s.write():
+        s.insert_prompts(rows(3))
+        s.set_state([1, 2, 3], State.WAITING, State.FED)
+        s.store_results([(1, State.FED, 0, b'"c0 failed"', 10.0), (2, State.FED, 1, b'"c1 ok"', 10.0)])
+        assert s.refeed(["c0", "c1", "c2", "nope"]) == 1  # c1 succeeded, c2 has no result: untouched
+    assert s.counts()["waiting"] == 1 and s.counts()["failed"] == 0
+    check_tally(s)
+    with s.write():
+        s.set_state([1], State.WAITING, State.FED)
+        s.store_results([(1, State.FED, 0, b'"c0 failed again"', 11.0)])
+    assert next(iter(s.result_lines())) == b'"c0 failed again"'
+    assert s.counts() == {"prompts": 3, "succeeded": 1, "failed": 1, "pending": 1, "waiting": 0, "fed": 1,
+                          "cancelled": 0}
+    check_tally(s)

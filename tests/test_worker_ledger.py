@@ -11,7 +11,7 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
-from batchfleet.keys import Keys
+from batchfleet.keys import FAILURE_TTL_S, Keys
 from batchfleet.records import Result
 from batchfleet.serializer import OrjsonSerializer
 from worker.ledger import Ledger, parse_job_data
@@ -153,3 +153,53 @@ def test_parse_job_data_never_unpickles(compressed):
 
     with pytest.raises(orjson.JSONDecodeError):
         parse_job_data(pickle.dumps(("os.system", None, ["true"], {})))
+
+
+def test_drop_releases_leases_and_deletes_the_jobs_publishing_nothing(r, redis_url):
+    enqueue(r, "gpu0", 3)
+    k = Keys("t")
+
+    async def go():
+        ledger = await _ledger(redis_url)
+        claims = await ledger.claim(3, ["gpu0"])
+        dropped = await ledger.drop(claims[:2])
+        again = await ledger.drop(claims[:2])  # already gone: nothing more
+        return claims, dropped, again, dict(ledger.held)
+
+    claims, dropped, again, held = run(go())
+    assert (dropped, again) == (2, 0)
+    assert list(held) == [claims[2].jid]
+    assert [bool(r.exists(Keys.job(c.jid))) for c in claims] == [False, False, True]
+    assert r.zcard(k.leases) == 1 and StartedJobRegistry("gpu0", connection=r).count == 1
+    assert not r.exists(k.results) and not r.exists(k.done) and not r.exists(k.stats)
+
+
+def test_refeed_hands_the_custom_id_to_the_head_and_deletes_the_job(r, redis_url):
+    (jid,) = enqueue(r, "gpu0", 1)
+    k = Keys("t")
+
+    async def go():
+        ledger = await _ledger(redis_url)
+        (claim,) = await ledger.claim(1, ["gpu0"])
+        return await ledger.refeed(claim, "c0"), await ledger.refeed(claim, "c0")
+
+    assert run(go()) == (True, False)  # the second finds no lease: nothing twice
+    assert r.lrange(k.refeed, 0, -1) == [b"c0"]
+    assert not r.exists(Keys.job(jid)) and r.zcard(k.leases) == 0
+    assert StartedJobRegistry("gpu0", connection=r).count == 0
+
+
+def test_a_failed_jobs_hash_expires_with_its_registry_entry(r, redis_url):
+    (jid,) = enqueue(r, "gpu0", 1)
+
+    async def go():
+        ledger = await _ledger(redis_url)
+        (c,) = await ledger.claim(1, ["gpu0"])
+        ledger.finish(c, Result(cid="c0", jid=c.jid, seq=0, status_code=400,
+                                error={"code": "invalid_prompt", "message": "too long"}), "invalid_prompt: too long")
+        await ledger.flush()
+
+    run(go())
+
+    assert FAILURE_TTL_S - 60 < r.ttl(Keys.job(jid)) <= FAILURE_TTL_S
+    assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [jid]

@@ -12,6 +12,11 @@ which collects every task at once and gives a strike to each prompt that was INS
 (its request was sent and not answered), atomically in Redis (see `ledger`). The claim loop does
 not claim while the server is down, so nothing cycles claim -> fail -> hand back.
 
+A cancelled run (`producer cancel`; the lease keeper sees its flag) is claimed from no more: its
+in-flight prompts are dropped (`drop_cancelled`: requests cancelled, leases released, nothing
+published). A trimmed failed job (its prompt only in the store) that `rq requeue` brought back is
+handed to the head, which feeds the prompt again.
+
 A claimed job is NORMAL (runs beside anything), a SUSPECT (one strike: at most one per worker at a
 time) or SOLO (two strikes: the claim loop stops, the other prompts finish, it runs alone, then the
 loop resumes).
@@ -34,6 +39,7 @@ import redis
 from batchfleet.config import Config
 from batchfleet.errors import JobRefused, PromptError, RecordError, RetryableError
 from batchfleet.jobs import ALLOWED
+from batchfleet.keys import TRIMMED
 from batchfleet.prompts import InvalidPrompt, check_body
 from batchfleet.records import Prompt, Result, job_id_for
 from batchfleet.redact import Scrubber
@@ -94,6 +100,8 @@ class Dispatcher:
         self.handed_back = 0
         self.struck = 0
         self.quarantined = 0
+        self.cancelled = False  # the run was cancelled: claim nothing (cleared if the flag goes away)
+        self.dropped = 0  # in-flight prompts dropped because the run was cancelled
         self._suspect: asyncio.Task[None] | None = None  # the one suspect this worker runs, if any
         self._solo: asyncio.Task[None] | None = None  # the prompt running alone, if any
         self.retry_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # tests swap it out
@@ -111,6 +119,11 @@ class Dispatcher:
         while True:
             await self.accepting.wait()
             await self._wait_checked()
+            if self.cancelled:
+                if burst and not self.tasks:
+                    return  # nothing of a cancelled run will come
+                await asyncio.sleep(0.5)
+                continue
             if self._solo is not None:  # a prompt runs alone: nothing else until it is done
                 await asyncio.wait({self._solo})
                 continue
@@ -133,6 +146,11 @@ class Dispatcher:
                 redis_wait_s = min(redis_wait_s * 2, 10.0)
                 continue
             redis_wait_s = 0.5
+            if self.cancelled and claims:  # the run was cancelled while the claim was on its way
+                self.slots.release(took)
+                with contextlib.suppress(redis.RedisError, OSError):
+                    self.dropped += await self.ledger.drop(claims)
+                continue
             if len(claims) < took:
                 self.slots.release(took - len(claims))
             for claim in claims:
@@ -242,6 +260,14 @@ class Dispatcher:
                 flight.inside = False
                 self._succeed(flight, body)
                 return
+        except _Trimmed as exc:
+            flight.settled = True
+            log.info("job %s is a failed job brought back by `rq requeue` whose prompt is in the store only: "
+                     "the head feeds it again", claim.jid)
+            try:
+                await self.ledger.refeed(claim, exc.cid)
+            except (redis.RedisError, OSError) as err:
+                log.warning("could not hand %s to the head (%s): its lease lapses and it comes back", claim.jid, err)
         except JobRefused as exc:
             log.error("refused job %s: %s", claim.jid, exc)
             flight.settled = True
@@ -291,6 +317,11 @@ class Dispatcher:
             raise JobRefused(f"job function {func[:100]!r} is not on batchfleet's allow-list")
         if len(args) != 1 or kwargs or not isinstance(args[0], dict):
             raise JobRefused("a batchfleet job takes exactly one prompt argument")
+        if args[0].get(TRIMMED) is True:  # a failed job trimmed after its result was collected
+            run, cid = args[0].get("run"), args[0].get("cid")
+            if run == self.config.run and isinstance(cid, str) and claim.jid == job_id_for(run, cid):
+                raise _Trimmed(cid)
+            raise JobRefused("trimmed job of another run, or whose id is not its custom_id's")
         try:
             prompt = Prompt.from_dict(args[0])
         except (RecordError, KeyError, TypeError, ValueError) as exc:
@@ -388,6 +419,21 @@ class Dispatcher:
                       error={"code": "server_crash", "message": message}, worker=self.worker,
                       attempts=flight.attempts, finished_at=self.clock())
 
+    async def drop_cancelled(self) -> int:
+        """The run was cancelled: claim nothing more of it; cancel every in-flight prompt (its request
+        is closed: the server aborts it), release its lease and publish nothing. Returns how many."""
+        self.cancelled = True
+        flights = [(t, f) for t, f in self.tasks.items() if not f.settled]
+        for task, flight in flights:
+            flight.lost = True
+            task.cancel()
+        if flights:
+            await asyncio.gather(*(t for t, _ in flights), return_exceptions=True)
+        dropped = [f for _, f in flights if not f.settled]
+        await self.ledger.drop([f.claim for f in dropped])
+        self.dropped += len(dropped)
+        return len(dropped)
+
     def drop_lost(self, jids: list[str]) -> None:
         """These jobs' leases lapsed and other workers requeued them: stop running them here (their
         results would be refused anyway)."""
@@ -418,6 +464,12 @@ class Dispatcher:
         if handed:
             log.info("handed back %d in-flight prompt(s)", handed)
         return handed
+
+
+class _Trimmed(Exception):
+    def __init__(self, cid: str) -> None:
+        super().__init__(cid)
+        self.cid = cid
 
 
 def _wall_clock() -> float:

@@ -177,6 +177,7 @@ for i = 6, #ARGV, 6 do
       redis.call('DEL', jkey)  -- result_ttl=0: the result leaves Redis through the stream below
     else
       redis.call('HSET', jkey, 'status', 'failed', 'ended_at', now_iso, 'exc_info', ARGV[i + 4])
+      redis.call('EXPIRE', jkey, fttl)  -- as long as its failed-registry entry: no job hash outlives it
       redis.call('ZADD', fpre .. origin, now + fttl, jid)
     end
     if outcome == 'refused' then  -- not this run's prompt to answer: no result, RQ's failed registry only
@@ -260,6 +261,7 @@ for i = 9, #ARGV, 4 do
           struck = struck + 1
           if n >= max and alone then
             redis.call('HSET', jkey, 'status', 'failed', 'ended_at', now_iso, 'exc_info', ARGV[i + 3])
+            redis.call('EXPIRE', jkey, fttl)
             redis.call('ZADD', fpre .. f[1], now + fttl, jid)
             redis.call('XADD', KEYS[6], '*', 'r', ARGV[i + 2])
             redis.call('SADD', KEYS[7], jid)
@@ -285,6 +287,37 @@ for i = 9, #ARGV, 4 do
 end
 if struck > 0 then redis.call('HINCRBY', KEYS[2], 'struck', struck) end
 return {quarantined, struck, handed, stale}
+"""
+
+
+# The run was cancelled: forget jobs this worker holds, publishing nothing. KEYS = leases
+# ARGV = job prefix, started prefix, member... -> how many were still held (and are deleted now)
+_DROP = """
+local jpre, wpre, n = ARGV[1], ARGV[2], 0
+for i = 3, #ARGV do
+  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
+    local jid = string.match(ARGV[i], '^(.*):[^:]*$')
+    local jkey = jpre .. jid
+    local f = redis.call('HMGET', jkey, 'origin', 'status')
+    if f[1] then redis.call('ZREM', wpre .. f[1], ARGV[i]) end
+    if f[2] == 'started' then redis.call('DEL', jkey) end
+    n = n + 1
+  end
+end
+return n
+"""
+
+# A trimmed failed job came back (`rq requeue`): the head feeds its prompt again from the store.
+# KEYS = leases, refeed; ARGV = member, job prefix, started prefix, custom_id -> 1 if handed over
+_REFEED = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+local jid = string.match(ARGV[1], '^(.*):[^:]*$')
+local jkey = ARGV[2] .. jid
+local origin = redis.call('HGET', jkey, 'origin')
+if origin then redis.call('ZREM', ARGV[3] .. origin, ARGV[1]) end
+redis.call('DEL', jkey)
+redis.call('RPUSH', KEYS[2], ARGV[4])
+return 1
 """
 
 
@@ -347,6 +380,8 @@ class Ledger:
         self._finish = client.register_script(_FINISH)
         self._release = client.register_script(_RELEASE)
         self._death = client.register_script(_DEATH)
+        self._drop = client.register_script(_DROP)
+        self._refeed = client.register_script(_REFEED)
 
     def _member(self, jid: str) -> str:
         return f"{jid}:{self.session}"
@@ -463,6 +498,28 @@ class Ledger:
             for c in claims:
                 self.held.pop(c.jid, None)
         return len(out)
+
+    async def drop(self, claims: list[Claim]) -> int:
+        """The run was cancelled: release these jobs' leases and delete them, publishing nothing (the
+        producer marks their prompts cancelled). Forgotten here whatever Redis says."""
+        if not claims:
+            return 0
+        try:
+            return int(await self._drop(keys=[self.k.leases], args=[keys.RQ_JOB_PREFIX, keys.RQ_STARTED_PREFIX,
+                                                                    *(self._member(c.jid) for c in claims)]))
+        finally:
+            for c in claims:
+                self.held.pop(c.jid, None)
+
+    async def refeed(self, claim: Claim, cid: str) -> bool:
+        """A trimmed failed job (its prompt is only in the store) was requeued: hand its custom_id to
+        the head, which feeds the prompt again; the job itself is deleted."""
+        try:
+            return bool(await self._refeed(keys=[self.k.leases, self.k.refeed],
+                                           args=[self._member(claim.jid), keys.RQ_JOB_PREFIX,
+                                                 keys.RQ_STARTED_PREFIX, cid]))
+        finally:
+            self.held.pop(claim.jid, None)
 
     async def recover_lapsed(self) -> list[str]:
         """Requeue the jobs of workers that stopped renewing (killed, frozen, network-split)."""

@@ -81,7 +81,8 @@ class GPUService:
         self.keeper = ServerKeeper(config, self.server, self.dispatcher, self.spec, self.events, gpu=gpu,
                                    publish=self.reporter.publish_now)
         self._marker = MarkerWatch(self.k, log)  # says so when Redis loses the run's data
-        self.leases = LeaseKeeper(self.ledger, on_lost=self.dispatcher.drop_lost, also=self._check_marker)
+        self.leases = LeaseKeeper(self.ledger, on_lost=self.dispatcher.drop_lost, also=self._upkeep)
+        self._acked = False  # this worker acknowledged the run's cancel flag
         self.stop_requested = asyncio.Event()
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,6 +162,28 @@ class GPUService:
         self.stop_requested.set()
 
     # --- wiring ----------------------------------------------------------------------------------------
+    async def _upkeep(self) -> None:
+        await self._check_marker()
+        await self._check_cancel()
+
+    async def _check_cancel(self) -> None:
+        """`producer cancel` raised the run's flag: drop the run's in-flight prompts, claim no more, and
+        acknowledge (`ack:<worker>` = prompts dropped). A flag that goes away (purge) lifts it."""
+        d = self.dispatcher
+        if await self.r.hget(self.k.cancel, "at") is None:
+            if d.cancelled:
+                d.cancelled, self._acked = False, False
+                log.warning("run %s is no longer cancelled (its flag %s is gone): taking work again",
+                            self.k.run, self.k.cancel)
+            return
+        if not d.cancelled:
+            log.warning("run %s was cancelled (producer cancel): dropping %d in-flight prompt(s), taking no more work "
+                        "of it", self.k.run, len(d.tasks))
+        dropped = await d.drop_cancelled()
+        if dropped or not self._acked:
+            await self.r.hincrby(self.k.cancel, Keys.CANCEL_ACK_PREFIX + self.worker, dropped)
+            self._acked = True
+
     async def _check_marker(self) -> None:
         busy = bool(self.ledger.held) or self.dispatcher.done + self.dispatcher.failed > 0
         await self._marker.check(self.r, busy=busy)

@@ -1,0 +1,507 @@
+"""How a run ends: cancelled, purged, or finished (its keys expire); and failed jobs kept lean.
+
+**Cancel** (`producer cancel`). In this order, each step safe to repeat (run it again after a crash):
+
+  1. the store marks every WAITING prompt CANCELLED (the head never feeds it), with `cancelled_at`;
+  2. the cancel flag `Keys.cancel` is set: each worker of the run, at its next lease beat, stops
+     claiming, cancels its in-flight requests (their HTTP connections close: the server aborts them),
+     releases their leases without putting them back, publishes nothing for them, and acknowledges
+     (`ack:<worker>` = prompts it dropped);
+  3. `CANCEL_LUA` removes each fed prompt's job atomically: queued (its queue, `suspects`, `isolate`),
+     started (its leases and started-registry entries: a late finish of it is refused as stale) or
+     failed without a result; a job whose result is in the stream is left to be collected;
+  4. results already in the stream are collected (they stay, and export as they are);
+  5. the store marks the FED prompts still without a result CANCELLED, and their jobs are removed
+     once more (a head in the middle of a feed pass when the flag went up);
+  6. it waits (bounded) for the acknowledgements of the run's live workers;
+  7. the run has ended: its keys get their end-of-run TTL (below), head or no head.
+
+A cancelled prompt's export line is `error.code == "cancelled"`: results == prompts still holds. A
+result that arrives anyway (a worker that finished before it saw the flag) replaces that line.
+
+**Purge** (`producer purge RUN --yes`): every key of the run, found with SCAN (never KEYS): the
+run's RQ jobs (their `data` ends with the run's name, see `feed`), their entries in queues and RQ's
+started/failed registries, the queues left empty in `rq:queues`, and `bf:<run>:*`. Refused while
+live workers of the run report (their status records), unless `--force`. RQ's records of the run's
+dead workers (`rq:worker:<name>` of workers that served only the run's queues) go too.
+
+**Finished**: once every prompt has its result in the store (nothing pending), the head sets a TTL
+(config `finished_ttl_s`, BATCHFLEET_FINISHED_TTL_S, default 7 days) on every key of
+`Keys.run_keys` and on the run's failed jobs (and their failed-registry scores), never lengthening a
+shorter one. The marker expires too; the store knows the run has nothing in Redis to lose, so a
+missing marker is then not taken for a Redis that lost data (see `locate`).
+
+**Failed jobs**: once a failed prompt's result is collected, its job's `data` is trimmed to a stub
+(custom_id, seq, run; `trimmed` = the original size): the store holds the prompt. `rq requeue` still
+works: a worker that claims a trimmed job puts its custom_id on `Keys.refeed` and the head feeds the
+prompt again from the store.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import orjson
+import redis
+
+from batchfleet.config import Config
+from batchfleet.connection import redacted
+from batchfleet.jobs import GENERATE
+from batchfleet.keys import (
+    RQ_FAILED_PREFIX,
+    RQ_JOB_PREFIX,
+    RQ_QUEUE_PREFIX,
+    RQ_QUEUES,
+    RQ_RESULTS_PREFIX,
+    RQ_STARTED_PREFIX,
+    RQ_WORKER_PREFIX,
+    RQ_WORKERS,
+    TRIMMED,
+    Keys,
+    valid_queue_name,
+)
+from batchfleet.marker import FINISHED, read_marker
+from batchfleet.records import RecordError, WorkerStatus, job_id_for
+
+from .store import State, Store
+
+__all__ = ["CANCELLED", "CancelSummary", "PurgeRefused", "PurgeSummary", "cancel", "cancelled_line",
+           "expire_finished", "live_workers", "mark_ended", "purge", "refeed", "run_cancel", "run_purge", "trim_failed"]
+
+CANCELLED = "cancelled"  # the export's error code of a cancelled prompt
+PAGE = 1000
+
+# KEYS = done, strikes, suspects, isolate, leases, <job key>...
+# ARGV = len(job prefix), queue prefix, started prefix, failed prefix, RQ results prefix
+# -> one letter per job: q queued (removed), s started (leases dropped, removed), f failed without a
+#    result (removed), d done (its result is in the stream: left for the collector), m missing
+CANCEL_LUA = """
+local plen, qpre, wpre, fpre, rpre = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local held = {}
+for _, member in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do
+  local jid = string.match(member, '^(.*):[^:]*$')
+  if jid then
+    held[jid] = held[jid] or {}
+    table.insert(held[jid], member)
+  end
+end
+local out = {}
+for i = 6, #KEYS do
+  local jid = string.sub(KEYS[i], plen + 1)
+  local c
+  if redis.call('SISMEMBER', KEYS[1], jid) == 1 then
+    c = 'd'
+  else
+    local f = redis.call('HMGET', KEYS[i], 'origin', 'status')
+    if not f[2] then
+      c = 'm'
+    else
+      local origin = f[1] or ''
+      if f[2] == 'started' then c = 's' elseif f[2] == 'failed' then c = 'f' else c = 'q' end
+      redis.call('LREM', qpre .. origin, 0, jid)
+      redis.call('LREM', KEYS[3], 0, jid)
+      redis.call('LREM', KEYS[4], 0, jid)
+      for _, member in ipairs(held[jid] or {}) do
+        redis.call('ZREM', KEYS[5], member)
+        redis.call('ZREM', wpre .. origin, member)
+      end
+      redis.call('ZREM', fpre .. origin, jid)
+      redis.call('DEL', KEYS[i], rpre .. jid)
+    end
+  end
+  redis.call('HDEL', KEYS[2], jid)
+  out[#out + 1] = c
+end
+return table.concat(out)
+"""
+
+# Jobs of a run, among a SCAN batch of job keys: their `data` ends with `suffix` (see `_run_suffix`).
+# KEYS = <job key>...; ARGV = suffix -> flat (job key, origin) of those that match
+RUN_JOBS_LUA = """
+local out, n = {}, string.len(ARGV[1])
+for i = 1, #KEYS do
+  local f = redis.call('HMGET', KEYS[i], 'data', 'origin')
+  if f[1] and string.sub(f[1], -n) == ARGV[1] then
+    out[#out + 1] = KEYS[i]
+    out[#out + 1] = f[2] or ''
+  end
+end
+return out
+"""
+
+# Set a TTL on keys, never lengthening one they have. KEYS = keys; ARGV = ttl -> keys given a TTL
+EXPIRE_LUA = """
+local ttl, n = tonumber(ARGV[1]), 0
+for i = 1, #KEYS do
+  local have = redis.call('TTL', KEYS[i])
+  if have == -1 or have > ttl then
+    redis.call('EXPIRE', KEYS[i], ttl)
+    n = n + 1
+  end
+end
+return n
+"""
+
+# Failed jobs of a finished run: the job hash and its failed-registry score expire with the run's keys.
+# KEYS = <job key>...; ARGV = ttl, len(job prefix), failed prefix -> jobs given a TTL
+EXPIRE_FAILED_LUA = """
+local ttl, plen, fpre = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local t = redis.call('TIME')
+local until_ = tonumber(t[1]) + ttl
+local n = 0
+for i = 1, #KEYS do
+  local origin = redis.call('HGET', KEYS[i], 'origin')
+  if origin then
+    local have = redis.call('TTL', KEYS[i])
+    if have == -1 or have > ttl then redis.call('EXPIRE', KEYS[i], ttl) end
+    redis.call('ZADD', fpre .. origin, 'LT', until_, string.sub(KEYS[i], plen + 1))
+    n = n + 1
+  end
+end
+return n
+"""
+
+# Trim failed jobs whose result is collected. KEYS = done, <job key>...; ARGV = len(job prefix), stub...
+# (parallel to the job keys) -> bytes freed
+TRIM_LUA = """
+local plen, freed = tonumber(ARGV[1]), 0
+for i = 2, #KEYS do
+  local jid = string.sub(KEYS[i], plen + 1)
+  local stub = ARGV[i]
+  if redis.call('SISMEMBER', KEYS[1], jid) == 0 and redis.call('HGET', KEYS[i], 'status') == 'failed'
+      and redis.call('HEXISTS', KEYS[i], 'trimmed') == 0 then
+    local size = redis.call('HSTRLEN', KEYS[i], 'data')
+    if size > string.len(stub) then
+      redis.call('HSET', KEYS[i], 'data', stub, 'trimmed', size)
+      freed = freed + size - string.len(stub)
+    end
+  end
+end
+return freed
+"""
+
+
+def cancelled_line(run: str, cid: str, at: float) -> bytes:
+    """The export line of a prompt cancelled before it had a result."""
+    jid = job_id_for(run, cid)
+    return orjson.dumps({"id": f"batch_req_{jid}", "custom_id": cid, "response": None,
+                         "error": {"code": CANCELLED, "message": f"run {run} was cancelled (producer cancel) at "
+                                   f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(at))} before this prompt "
+                                   "had a result"}})
+
+
+def live_workers(r: redis.Redis, keys: Keys) -> list[str]:
+    """Names of the run's workers whose status record is alive (Redis expires silent ones)."""
+    names = sorted(n.decode(errors="replace") for n in r.smembers(keys.workers))
+    raws = r.mget([keys.status(n) for n in names]) if names else []
+    out = []
+    for name, raw in zip(names, raws, strict=True):
+        if raw is None:
+            continue
+        try:
+            WorkerStatus.from_json(raw)
+        except RecordError:
+            continue
+        out.append(name)
+    return out
+
+
+# --- cancel -----------------------------------------------------------------------------------------
+@dataclass
+class CancelSummary:
+    cancelled: int = 0  # prompts marked CANCELLED in the store
+    removed: dict[str, int] = field(default_factory=dict)  # queued / started / failed jobs removed from Redis
+    collected: int = 0  # results that were in Redis already: kept
+    acked: list[str] = field(default_factory=list)  # live workers that confirmed they dropped the run's prompts
+    silent: list[str] = field(default_factory=list)  # live workers that did not confirm in time
+    dropped: int = 0  # in-flight prompts the workers said they dropped
+
+
+def _remove_jobs(r: redis.Redis, keys: Keys, cids: Iterable[str], into: dict[str, int]) -> None:
+    script = r.register_script(CANCEL_LUA)
+    names = {"q": "queued", "s": "in_flight", "f": "failed", "d": "done", "m": "missing"}
+    batch: list[str] = []
+
+    def go() -> None:
+        codes = script(keys=[keys.done, keys.strikes, keys.suspects, keys.isolate, keys.leases,
+                             *(Keys.job(j) for j in batch)],
+                       args=[len(RQ_JOB_PREFIX), RQ_QUEUE_PREFIX, RQ_STARTED_PREFIX, RQ_FAILED_PREFIX,
+                             RQ_RESULTS_PREFIX])
+        for c in codes.decode():
+            into[names[c]] = into.get(names[c], 0) + 1
+        batch.clear()
+
+    for cid in cids:
+        batch.append(job_id_for(keys.run, cid))
+        if len(batch) >= PAGE:
+            go()
+    if batch:
+        go()
+
+
+def cancel(r: redis.Redis, store: Store, keys: Keys, *, wait_s: float = 30.0, poll_s: float = 0.25,
+           ttl_s: int | None = None) -> CancelSummary:
+    """Cancel the run (see the module doc). `ttl_s`: then give the run's keys their end-of-run TTL (as
+    the head does once it sees the run ended), so they expire even without a head."""
+    out = CancelSummary()
+    at = time.time()
+    run = keys.run
+
+    def line(cid: str) -> bytes:
+        return cancelled_line(run, cid, at)
+
+    with store.write():
+        first = store.cancel([State.WAITING], line, at)
+    r.hset(keys.cancel, "at", repr(at))
+    with store.read():
+        fed = [cid for _, cid in store.db.execute("SELECT seq, cid FROM prompts WHERE state = 1").fetchall()]
+    removed: dict[str, int] = {}
+    _remove_jobs(r, keys, [*(cid for _, cid in first), *fed], removed)
+    from .collect import collect_once  # collect trims failed jobs with this module's helpers
+
+    got = collect_once(r, store, keys)
+    out.collected = got.stored
+    with store.write():
+        rest = store.cancel([State.FED, State.WAITING], line, at)
+    _remove_jobs(r, keys, (cid for _, cid in rest), {})
+    out.cancelled = len(first) + len(rest)
+    out.removed = {k: removed[k] for k in ("queued", "in_flight", "failed") if removed.get(k)}
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = live_workers(r, keys)
+        acks = {k.decode(errors="replace")[len(Keys.CANCEL_ACK_PREFIX):]: int(v)
+                for k, v in r.hgetall(keys.cancel).items() if k.startswith(Keys.CANCEL_ACK_PREFIX.encode())}
+        out.acked = [w for w in live if w in acks]
+        out.silent = [w for w in live if w not in acks]
+        out.dropped = sum(acks.values())
+        if not out.silent or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    if ttl_s is not None:
+        mark_ended(r, keys)
+        expire_finished(r, store, keys, ttl_s)
+    return out
+
+
+def mark_ended(r: redis.Redis, keys: Keys) -> None:
+    """Say in the run marker that the run ended: its keys expire, and a missing marker is then no loss."""
+    if r.exists(keys.meta):
+        r.hset(keys.meta, FINISHED, repr(time.time()))
+
+
+# --- purge ------------------------------------------------------------------------------------------
+class PurgeRefused(Exception):
+    """Live workers of the run report: purging under them would strand their prompts."""
+
+
+@dataclass
+class PurgeSummary:
+    jobs: int = 0  # RQ job hashes of the run deleted
+    keys: int = 0  # bf:<run>:* keys deleted
+    queues: list[str] = field(default_factory=list)  # queues the run's jobs were on
+    workers: int = 0  # RQ's records of the run's dead workers deleted
+
+
+def _run_suffix(run: str) -> bytes:
+    """How the `data` of every job of `run` ends (feed writes the prompt's `run` last)."""
+    return b'"run":' + orjson.dumps(run) + b"}],{}]"
+
+
+def run_jobs(r: redis.Redis, run: str) -> dict[str, str]:
+    """job id -> origin queue, of every RQ job of the run in Redis (SCAN over rq:job:*)."""
+    script = r.register_script(RUN_JOBS_LUA)
+    suffix = _run_suffix(run)
+    out: dict[str, str] = {}
+    batch: list[bytes] = []
+    for key in r.scan_iter(match=RQ_JOB_PREFIX + "*", count=PAGE):
+        batch.append(key)
+        if len(batch) >= PAGE:
+            out.update(_match(script, batch, suffix))
+            batch = []
+    if batch:
+        out.update(_match(script, batch, suffix))
+    return out
+
+
+def _match(script: object, batch: list[bytes], suffix: bytes) -> dict[str, str]:
+    raw = script(keys=batch, args=[suffix])  # type: ignore[operator]
+    return {raw[i].decode()[len(RQ_JOB_PREFIX):]: raw[i + 1].decode(errors="replace") for i in range(0, len(raw), 2)}
+
+
+def purge(r: redis.Redis, keys: Keys, *, force: bool = False, queues: Iterable[str] = ()) -> PurgeSummary:
+    """Delete every key of the run (see the module doc). Raises PurgeRefused while its workers live."""
+    live = live_workers(r, keys)
+    if live and not force:
+        raise PurgeRefused(f"{len(live)} live worker(s) of run {keys.run} report ({', '.join(live[:5])}): stop them "
+                           "first, or --force")
+    out = PurgeSummary()
+    jobs = run_jobs(r, keys.run)
+    qs = sorted({*(q for q in jobs.values() if valid_queue_name(q)), *(q for q in queues if valid_queue_name(q))})
+    out.queues = qs
+    ids = list(jobs)
+    for i in range(0, len(ids), PAGE):
+        part = ids[i : i + PAGE]
+        pipe = r.pipeline(transaction=False)
+        for jid in part:
+            q = jobs[jid]
+            if valid_queue_name(q):
+                pipe.lrem(Keys.queue(q), 0, jid)
+                pipe.zrem(Keys.failed(q), jid)
+        pipe.delete(*(Keys.job(j) for j in part), *(Keys.rq_results(j) for j in part))
+        pipe.execute()
+    out.jobs = len(ids)
+    mine = set(ids)
+    for q in qs:  # started-registry members are "<job id>:<execution>"
+        members = [m for m in r.zrange(Keys.started(q), 0, -1)
+                   if m.decode(errors="replace").rpartition(":")[0] in mine]
+        if members:
+            r.zrem(Keys.started(q), *members)
+        if not r.exists(Keys.queue(q), Keys.started(q), Keys.failed(q)):
+            r.srem(RQ_QUEUES, Keys.queue(q))
+    out.workers = _purge_dead_workers(r, set(qs), force=force)
+    batch: list[bytes] = []
+    for key in r.scan_iter(match=keys.pattern, count=PAGE):
+        batch.append(key)
+        if len(batch) >= PAGE:
+            out.keys += r.unlink(*batch)
+            batch = []
+    if batch:
+        out.keys += r.unlink(*batch)
+    return out
+
+
+def _purge_dead_workers(r: redis.Redis, queues: set[str], *, force: bool) -> int:
+    """RQ's records (`rq:worker:<name>`, and its entries in `rq:workers`, `rq:workers:<queue>`) of workers
+    that served only the run's queues and stopped (kept a minute by RQ) — with `force`, also of those that
+    did not say so (killed: the caller says they are gone)."""
+    if not queues:
+        return 0
+    n = 0
+    for key in r.scan_iter(match=RQ_WORKER_PREFIX + "*", count=PAGE):
+        served, death = r.hmget(key, "queues", "death")
+        names = {q for q in (served or b"").decode(errors="replace").split(",") if q}
+        if (death is not None or force) and names and names <= queues:
+            pipe = r.pipeline(transaction=False)
+            pipe.delete(key)
+            pipe.srem(RQ_WORKERS, key)
+            for q in names:
+                pipe.srem(RQ_WORKERS + ":" + q, key)
+            n += pipe.execute()[0]
+    return n
+
+
+# --- finished ---------------------------------------------------------------------------------------
+def expire_finished(r: redis.Redis, store: Store, keys: Keys, ttl_s: int) -> int:
+    """Give the finished run's keys and failed jobs `ttl_s` to live (never longer than they had).
+    Returns how many keys got a TTL."""
+    existing = [k for k, e in zip(keys.run_keys(), _exists(r, keys.run_keys()), strict=True) if e]
+    n = int(r.register_script(EXPIRE_LUA)(keys=existing, args=[ttl_s])) if existing else 0
+    script = r.register_script(EXPIRE_FAILED_LUA)
+    after = 0
+    while True:
+        with store.read():
+            rows = store.db.execute("SELECT p.seq, p.cid FROM prompts p JOIN results r ON r.seq = p.seq "
+                                    "WHERE r.ok = 0 AND p.seq > ? ORDER BY p.seq LIMIT ?", (after, PAGE)).fetchall()
+        if not rows:
+            return n
+        n += int(script(keys=[Keys.job(job_id_for(keys.run, cid)) for _, cid in rows],
+                        args=[ttl_s, len(RQ_JOB_PREFIX), RQ_FAILED_PREFIX]))
+        after = rows[-1][0]
+
+
+def _exists(r: redis.Redis, names: list[str]) -> list[int]:
+    pipe = r.pipeline(transaction=False)
+    for k in names:
+        pipe.exists(k)
+    return pipe.execute()
+
+
+# --- failed jobs ------------------------------------------------------------------------------------
+def trimmed_data(run: str, cid: str, seq: int) -> bytes:
+    """A failed job's `data` once its result is collected: enough to feed the prompt again from the
+    store (`rq requeue`), not the prompt. Ends like every job of the run (see `_run_suffix`)."""
+    return orjson.dumps([GENERATE, None, [{"cid": cid, "seq": seq, TRIMMED: True, "run": run}], {}])
+
+
+def trim_failed(r: redis.Redis, keys: Keys, failed: list[tuple[str, int]]) -> int:
+    """Trim the jobs of these collected failures, (cid, seq) each. Returns the bytes freed."""
+    if not failed:
+        return 0
+    script = r.register_script(TRIM_LUA)
+    freed = 0
+    for i in range(0, len(failed), PAGE):
+        part = failed[i : i + PAGE]
+        freed += int(script(keys=[keys.done, *(Keys.job(job_id_for(keys.run, cid)) for cid, _ in part)],
+                            args=[len(RQ_JOB_PREFIX), *(trimmed_data(keys.run, cid, seq) for cid, seq in part)]))
+    return freed
+
+
+def refeed(r: redis.Redis, store: Store, keys: Keys) -> int:
+    """Trimmed failed jobs brought back by `rq requeue` (workers list their custom_ids in `refeed`):
+    their prompts go back to WAITING, and the next feed pass writes their jobs in full. Returns how many."""
+    n = 0
+    while True:
+        raw = r.lrange(keys.refeed, 0, PAGE - 1)
+        if not raw:
+            return n
+        with store.write():
+            n += store.refeed([c.decode(errors="replace") for c in raw])
+        r.ltrim(keys.refeed, len(raw), -1)  # only once stored: a crash in between feeds them next time
+
+
+# --- the commands -----------------------------------------------------------------------------------
+def run_cancel(config: Config, r: redis.Redis, *, explicit: bool, wait_s: float) -> int:
+    """`producer cancel`: exit 0 when cancelled and every live worker confirmed; 1 when some did not."""
+    from .locate import Mode, locate
+
+    r.ping()
+    loc = locate(config, r, explicit=explicit, mode=Mode.WRITE)
+    keys = Keys(config.run)
+    try:
+        s = cancel(r, loc.store, keys, wait_s=wait_s, ttl_s=config.finished_ttl_s)
+        with loc.store.read():
+            counts = loc.store.counts()
+    finally:
+        loc.store.close()
+    removed = ", ".join(f"{n:,} {k.replace('_', ' ')}" for k, n in s.removed.items()) or "none"
+    print(f"cancelled run {config.run}: {s.cancelled:,} prompt(s) cancelled (jobs removed from Redis: {removed}); "
+          f"{counts['succeeded']:,} succeeded and {counts['failed']:,} failed before that, kept "
+          f"({s.collected:,} collected just now); export writes one line per prompt, the cancelled ones with "
+          f"error code {CANCELLED!r}")
+    if s.acked:
+        print(f"{len(s.acked)} live worker(s) dropped {s.dropped:,} in-flight prompt(s) and take no more work of "
+              "this run")
+    if s.silent:
+        print(f"{len(s.silent)} live worker(s) did not confirm within {wait_s:g} s ({', '.join(s.silent[:5])}): "
+              "their leases are gone, they drop what they run at their next lease beat", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_purge(config: Config, r: redis.Redis, target: str, *, yes: bool, force: bool) -> int:
+    """`producer purge RUN`: exit 0 purged; 2 refused (no --yes, or live workers without --force)."""
+    if not yes:
+        keys = Keys(target)
+        jobs = run_jobs(r, target)
+        n = sum(1 for _ in r.scan_iter(match=keys.pattern, count=PAGE))
+        print(f"producer: purge would delete every key of run {target} in Redis ({redacted(config.redis_url)}): "
+              f"{len(jobs):,} RQ job(s) and {n:,} bf:{target}:* key(s); the store is not touched. Run again with "
+              "--yes to do it", file=sys.stderr)
+        return 2
+    keys = Keys(target)
+    try:
+        marker = read_marker(r, keys)
+    except RecordError:
+        marker = None
+    try:
+        s = purge(r, keys, force=force, queues=marker.queues if marker else ())
+    except PurgeRefused as exc:
+        print(f"producer: refusing to purge: {exc}", file=sys.stderr)
+        return 2
+    print(f"purged run {target}: {s.jobs:,} RQ job(s), {s.keys:,} bf:{target}:* key(s)"
+          + (f"; queues {', '.join(s.queues)}" if s.queues else "")
+          + (f"; its store {marker.where} is kept" if marker else ""))
+    return 0

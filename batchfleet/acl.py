@@ -76,10 +76,17 @@ class Role:
     read: tuple[str, ...]  # key patterns it may only read (`%R~`)
     channels: tuple[str, ...]  # pub/sub channel patterns (`&`)
     commands: tuple[str, ...]
+    lifetime: tuple[str, ...] = ()  # key patterns whose TTL only it may set or lift (a Redis 7 selector)
 
     def rules(self) -> list[str]:
-        return ["resetkeys", "resetchannels", *(f"~{p}" for p in self.write), *(f"%R~{p}" for p in self.read),
-                *(f"&{c}" for c in self.channels), "-@all", *self.commands]
+        out = ["resetkeys", "resetchannels", *(f"~{p}" for p in self.write), *(f"%R~{p}" for p in self.read),
+               *(f"&{c}" for c in self.channels), "-@all", *self.commands]
+        if self.lifetime:
+            # The head gives a finished run's keys their TTL and `enqueue` lifts it again: EXPIRE/PERSIST on
+            # every key of the run (its scripts too), nothing else on the keys it may not write.
+            out.append("(" + " ".join([*(f"~{p}" for p in self.lifetime), "-@all", "+expire", "+pexpire",
+                                       "+persist", "+ttl", "+pttl", "+exists", "+eval", "+evalsha"]) + ")")
+        return out
 
 
 def roles(run: str = "*") -> dict[str, Role]:
@@ -90,10 +97,11 @@ def roles(run: str = "*") -> dict[str, Role]:
     # `producer cancel` takes jobs out of the strike lists and leases too, and flags the cancel
     feeder = Role("producer", write=(*rq_jobs, RQ_QUEUES, RQ_RESULTS_PREFIX + "*", k.meta, k.stats, k.done, k.results,
                                      k.cancel, k.refeed, k.leases, k.strikes, k.suspects, k.isolate),
-                  read=everything_of_run, channels=(), commands=_DATA)
+                  read=everything_of_run, channels=(), commands=_DATA, lifetime=(k.prefix + "*",))
     return {
         "producer": feeder,
-        "head": Role("head", write=feeder.write, read=feeder.read, channels=(), commands=_DATA),
+        "head": Role("head", write=feeder.write, read=feeder.read, channels=(), commands=_DATA,
+                     lifetime=feeder.lifetime),
         "worker": Role(
             "worker",
             write=(*rq_jobs, RQ_WORKER_PREFIX + "*", RQ_WORKERS, RQ_WORKERS + ":*", RQ_CLEAN_LOCK_PREFIX + "*",

@@ -74,7 +74,7 @@ def main() -> int:
         # A shared Redis keeps nothing of the demo: its processes are stopped; the store and the export
         # stay under var/demo/.
         console.rule("purge the demo's run from the shared Redis")
-        subprocess.run([str(BIN / "producer"), "purge", run, "--yes", "--force", "--state-dir", str(workdir)],
+        subprocess.run([str(BIN / "producer"), "purge", run, "--yes", "--force"],
                        env=env, check=False)
     return 0
 

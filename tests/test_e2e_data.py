@@ -6,6 +6,7 @@ persistence, a stock RQ worker eating jobs. Each test asserts exact counts in th
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -182,7 +183,7 @@ def test_honcho_runs_the_shipped_procfile_through_a_redis_restart(tmp_path: Path
     try:
         fleet.wait_for(lambda: fleet.finished() >= 50, 120, "some progress under honcho")
         server.stop()
-        time.sleep(4)
+        time.sleep(61)  # the bar: every long-running process rides out an outage of at least 60 s
         server.start()
         fleet.r = redis.Redis.from_url(server.url)
         export_exactly(fleet, rows)
@@ -198,6 +199,10 @@ def test_honcho_runs_the_shipped_procfile_through_a_redis_restart(tmp_path: Path
             honcho.wait()
     text = (tmp_path / "honcho.log").read_text(errors="replace")
     assert text.count("head: lost Redis") == 1 and text.count("head: Redis is back") == 1, text[-3000:]
+    for gpu in ("gpu0", "gpu1"):  # each worker: one line when it lost Redis, one when it was back
+        lines = [x for x in text.splitlines() if re.search(rf"\b{gpu}(\.\d+)?\s*\|", x.split("|", 1)[0] + "|")]
+        assert sum("lost Redis at" in x for x in lines) == 1, "\n".join(lines[-40:])
+        assert sum("is back after" in x for x in lines) == 1, "\n".join(lines[-40:])
     assert "stopped (rc=" not in text.split("SIGTERM received")[0], text[-3000:]  # nothing exited by itself
 
 

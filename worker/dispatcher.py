@@ -45,6 +45,7 @@ from batchfleet.records import Prompt, Result, job_id_for
 from batchfleet.redact import Scrubber
 
 from .ledger import MAX_STRIKES, Claim, ClaimKind, DeathOutcome, Ledger, parse_job_data
+from .redislink import LINK
 from .slots import Slots
 
 __all__ = ["Backend", "Dispatcher", "Flight"]
@@ -141,7 +142,7 @@ class Dispatcher:
             except (redis.RedisError, OSError) as exc:
                 # Redis restarting or unreachable: in-flight prompts keep running; claim again later.
                 self.slots.release(took)
-                log.warning("cannot claim work from Redis (%s); retrying in %.1f s", exc, redis_wait_s)
+                LINK.lost("claiming work", exc)
                 await asyncio.sleep(redis_wait_s)
                 redis_wait_s = min(redis_wait_s * 2, 10.0)
                 continue
@@ -187,7 +188,7 @@ class Dispatcher:
             await self.ledger.flush()
             backlog = await self.ledger.refresh_backlog()
         except (redis.RedisError, OSError) as exc:
-            log.warning("cannot read the results stream's length (%s)", exc)
+            LINK.lost("reading the results stream's length", exc)
             return
         if backlog <= self.config.max_pending_results:
             self._paused_said = False

@@ -12,6 +12,8 @@ from batchfleet import keys
 from batchfleet.keys import Keys
 from batchfleet.records import Event
 
+from .redislink import LINK
+
 __all__ = ["EventLog"]
 
 log = logging.getLogger("batchfleet.worker")
@@ -36,4 +38,4 @@ class EventLog:
         try:
             await self.r.xadd(self.k.events, {"e": event.to_json()}, maxlen=keys.EVENTS_MAXLEN, approximate=True)
         except (redis.RedisError, OSError) as exc:
-            log.warning("could not record the %s event in Redis: %s", kind, exc)
+            LINK.lost(f"recording the {kind} event", exc)

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import redis
 
 from .ledger import Ledger
+from .redislink import LINK
 
 __all__ = ["LeaseKeeper"]
 
@@ -44,8 +45,9 @@ class LeaseKeeper:
         while True:
             try:
                 await self.beat()
+                LINK.ok()
             except (redis.RedisError, OSError) as exc:  # Redis hiccup: leases have slack for a missed beat
-                log.warning("lease upkeep failed: %s", exc)
+                LINK.lost("renewing leases", exc)
             except Exception:
                 log.exception("lease upkeep failed")
             await asyncio.sleep(self.period_s)

@@ -48,6 +48,8 @@ from batchfleet.keys import Keys
 from batchfleet.prompts import MAX_BODY_BYTES
 from batchfleet.records import Result
 
+from .redislink import LINK
+
 __all__ = ["MAX_STRIKES", "Claim", "ClaimKind", "DeathOutcome", "Ledger", "parse_job_data"]
 
 log = logging.getLogger("batchfleet.worker.ledger")
@@ -434,7 +436,7 @@ class Ledger:
             try:
                 await self.flush()
             except (redis.RedisError, OSError) as exc:  # Redis away: keep the outcomes and retry
-                log.warning("writing %d outcome(s) to Redis failed (%s); retrying", len(self._pending), exc)
+                LINK.lost(f"writing {len(self._pending)} outcome(s)", exc)
                 await asyncio.sleep(1.0)
                 self._wake.set()
             except Exception:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from batchfleet.config import Config
+from batchfleet.connection import redacted
 from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.marker import MarkerWatch
@@ -39,6 +40,7 @@ from .keeper import ServerKeeper
 from .leases import LeaseKeeper
 from .ledger import Ledger
 from .meter import ThroughputMeter
+from .redislink import LINK
 from .server import SGLangServer
 from .spec import SpecFollower
 from .status import HOST, StatusPublisher, StatusReporter
@@ -58,6 +60,7 @@ class GPUService:
         self.config = config
         self.r = client
         self.k = Keys(config.run)
+        LINK.configure(redacted(config.redis_url))
         self.worker = worker
         self.queue = queue
         self.gpu = gpu

@@ -18,6 +18,7 @@ from batchfleet.keys import Keys
 from batchfleet.records import RecordError, ServerSpec
 
 from .events import EventLog
+from .redislink import LINK
 
 __all__ = ["SpecFollower"]
 
@@ -44,7 +45,7 @@ class SpecFollower:
                                                      Keys.control_worker(self.worker), Keys.CONTROL_FLEET)
         except (redis.RedisError, OSError) as exc:
             # Redis away: keep serving what runs now (or the configuration at first start).
-            log.warning("cannot read the desired server spec (%s); keeping the current one", exc)
+            LINK.lost("reading the desired server spec (keeping the current one)", exc)
             return self._kept()
         for field, raw in (("override", mine), ("override", legacy), ("fleet", fleet)):
             if not raw:

@@ -19,6 +19,7 @@ from batchfleet.keys import Keys
 from batchfleet.records import ServerMetrics, WorkerStatus
 
 from .meter import ThroughputMeter
+from .redislink import LINK
 
 __all__ = ["StatusPublisher", "StatusReporter"]
 
@@ -66,7 +67,7 @@ class StatusReporter:
         try:
             await self.publisher.publish()
         except (redis.RedisError, OSError) as exc:
-            log.warning("could not publish status: %s", exc)
+            LINK.lost("publishing the status record", exc)
 
     async def run(self) -> None:
         while True:
@@ -78,7 +79,7 @@ class StatusReporter:
                 await self.publisher.publish()
                 await asyncio.to_thread(self.rq_heartbeat)
             except (redis.RedisError, OSError) as exc:
-                log.warning("status publish failed: %s", exc)
+                LINK.lost("publishing the status record", exc)
             except Exception:
                 log.exception("status publish failed")
             await asyncio.sleep(self.interval_s)

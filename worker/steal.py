@@ -12,6 +12,8 @@ import redis.asyncio as aioredis
 
 from batchfleet.keys import RQ_QUEUES, Keys
 
+from .redislink import LINK
+
 __all__ = ["StealOrder"]
 
 log = logging.getLogger("batchfleet.worker")
@@ -47,7 +49,7 @@ class StealOrder:
             try:
                 await self.refresh()
             except (redis.RedisError, OSError) as exc:
-                log.warning("cannot read the queues' lengths: %s", exc)
+                LINK.lost("reading the queues' lengths", exc)
             except Exception:
                 log.exception("cannot read the queues' lengths")
             await asyncio.sleep(self.period_s)

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import aiohttp
 import httpx
 import redis
 
@@ -44,8 +45,10 @@ __all__ = ["Backend", "Dispatcher", "Flight"]
 
 log = logging.getLogger("batchfleet.worker.dispatcher")
 
-# A request that failed with one of these never reached the server (nothing to strike it for).
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# A request that failed with one of these never reached the server (nothing to strike it for): no
+# connection, or none free in time (httpx on the control plane; aiohttp for generations, see sglang).
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, aiohttp.ClientConnectorError,
+             aiohttp.ConnectionTimeoutError)
 LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
 
 

@@ -106,6 +106,11 @@ class Rank:
         self.gen_throughput = 0.0
         self.hung = False
         self.idle_since: float | None = None
+        # Slot fill, in model time: occupied slot-seconds so far, and (model time, slot-seconds) when
+        # the rank first ran `cap` requests and at its latest admission of a client request.
+        self.slot_s = 0.0
+        self.full_at: tuple[float, float] | None = None
+        self.last_admit: tuple[float, float] | None = None
 
     # ---- usage figures -------------------------------------------------------------------
     def used_tokens(self) -> int:
@@ -184,7 +189,9 @@ class Rank:
             if batch:
                 new_tokens = sum(r.prompt_tokens + r.generated - r.cached_tokens for r in batch)
                 self.t = max(self.t, min(r.arrival_model for r in batch))
-                self.t += profile.prefill_s(new_tokens)
+                prefill = profile.prefill_s(new_tokens)
+                self.slot_s += prefill * (len(self.running) + len(batch))  # the batch holds its slots already
+                self.t += prefill
                 for r in batch:
                     r.state, r.admitted_model = "running", self.t
                     self.running.append(r)
@@ -195,6 +202,10 @@ class Rank:
                         self.gen_tokens += r.generated
                     r.changed.set()
                 engine.metrics.on_prefill(batch, self.t)
+                if self.full_at is None and len(self.running) >= self.cap:
+                    self.full_at = (self.t, self.slot_s)
+                if any(not r.internal for r in batch):
+                    self.last_admit = (self.t, self.slot_s)
                 if profile.hybrid:
                     usage = f"full token usage: {self.full_usage():.2f}, mamba usage: {self.mamba_usage():.2f}"
                 else:
@@ -233,6 +244,7 @@ class Rank:
         room = max(1, (self.tokens - self.used_tokens()) // len(self.running))
         k = min(steps, min(r.remaining for r in self.running), to_log, room)
         k = max(k, 1)
+        self.slot_s += k * step * len(self.running)
         self.t += k * step
         self.decode_steps += k
         for r in self.running:

@@ -111,6 +111,7 @@ class Rank:
         self.slot_s = 0.0
         self.full_at: tuple[float, float] | None = None
         self.last_admit: tuple[float, float] | None = None
+        self.longest_s = 0.0  # the longest admission-to-finish of a client request, in model time
 
     # ---- usage figures -------------------------------------------------------------------
     def used_tokens(self) -> int:
@@ -289,6 +290,10 @@ class Rank:
                 continue
             if r.remaining <= 0:
                 r.state, r.finish_model = "finished", self.t
+                if not r.internal:
+                    engine.last_finish_wall = time.time()
+                    if r.admitted_model is not None:
+                        self.longest_s = max(self.longest_s, self.t - r.admitted_model)
                 self.cache.insert(r.prompt_words)
                 engine.metrics.on_finish(r)
                 r.changed.set()
@@ -305,6 +310,8 @@ class Engine:
         self._wall0 = time.monotonic()
         self._next_rank = 0
         self.admitted_total = 0
+        self.first_admit_wall: float | None = None  # time.time() of the first client admission
+        self.last_finish_wall: float | None = None  # ... and of the latest client finish
         self.peak_running = 0
         self.peak_queued = 0
         self.on_tick: list = []  # callbacks after each tick (observation record)
@@ -342,6 +349,8 @@ class Engine:
         if req.internal:
             return
         self.admitted_total += 1
+        if self.first_admit_wall is None:
+            self.first_admit_wall = time.time()
         self.faults.on_admitted(self.admitted_total, self, req.prompt_words)
 
     def finish_abort(self, req: Request, message: str, *, status: int = 200) -> None:

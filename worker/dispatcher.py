@@ -55,6 +55,10 @@ log = logging.getLogger("batchfleet.worker.dispatcher")
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, aiohttp.ClientConnectorError,
              aiohttp.ConnectionTimeoutError)
 LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
+# While part of the surplus still waits in the server, the claim loop gathers free slots this long
+# before it claims: one Redis call for several prompts. The refill delay it adds is measured with the
+# rest (Turnover), so the surplus grows to cover it.
+CLAIM_GATHER_S = 0.005
 
 
 class Backend(Protocol):
@@ -153,6 +157,10 @@ class Dispatcher:
             now = time.monotonic()
             if self._surplus_auto and now - self._surplus_checked > 0.5:
                 self._resize_surplus(now)
+            if self.surplus:
+                await self.slots.acquire_up_to(0)  # a slot is free
+                if self.slots.in_use > self.capacity:  # the server still holds some of the surplus
+                    await asyncio.sleep(CLAIM_GATHER_S)
             took = await self.slots.acquire_up_to(self.slots.capacity)
             freed_at = self.slots.take_freed_at()
             if not (self.accepting.is_set() and self.checked.is_set()):

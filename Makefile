@@ -27,6 +27,8 @@ bench: install
 	$(BIN)/python bench/bench_enqueue.py
 	$(BIN)/python bench/bench_dispatch.py
 	$(BIN)/python bench/bench_window.py --n 200000
+	$(BIN)/python bench/bench_fill.py
+	$(BIN)/python bench/bench_tail.py
 
 clean:
 	rm -rf var/ .batchfleet/ .pytest_cache/ .ruff_cache/

@@ -77,12 +77,13 @@ class Slots:
 
 def surplus_cap(base: int, configured: int | None) -> int:
     """The most prompts a worker keeps queued in a server that runs `base` at once: what was
-    configured (at most `base`), else a quarter of `base` (at least 1)."""
+    configured (at most `base`), else half of `base` (at least 1). Turnover decides how many of
+    those it keeps; the bound only limits what a drain or a death has to hand back."""
     if base <= 0:
         return 0
     if configured is not None:
         return min(configured, base)
-    return max(1, base // 4)
+    return max(1, base // 2)
 
 
 class Turnover:

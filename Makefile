@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,report,sim,zstd]'
+	$(BIN)/pip install --quiet -e '.[dev,report,zstd]'
 	touch $@
 
 install: $(BIN)/.installed
@@ -27,6 +27,8 @@ bench: install
 	$(BIN)/python bench/bench_enqueue.py
 	$(BIN)/python bench/bench_dispatch.py
 	$(BIN)/python bench/bench_window.py --n 200000
+	$(BIN)/python bench/bench_fill.py
+	$(BIN)/python bench/bench_tail.py
 
 # Redis ACL users, one per role (see docs/security.md): users.acl for `redis-server --aclfile`, and the
 # passwords (random on first use, kept after) in users.passwords, both mode 0600.

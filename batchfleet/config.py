@@ -64,6 +64,10 @@ class Config:
 
     # How a worker runs prompts.
     max_in_flight: int | None = None  # cap below the server's capacity (normally unset: fill the server)
+    # Prompts kept waiting in the server's own queue beyond its capacity, so a finished slot is refilled
+    # at the server's next step rather than after a round trip to the worker and Redis. Unset: sized
+    # from the measured turnover (worker/slots.py, Turnover); 0: none; N: exactly N.
+    surplus: int | None = None
     request_timeout_s: float = 3600.0  # one long generation, not the httpx default of 5 s
     max_attempts: int = 6  # transient failures per prompt before it is failed
     backoff_base_s: float = 0.5
@@ -108,6 +112,8 @@ class Config:
         for name in ("lease_ttl_s", "status_interval_s", "health_interval_s", "request_timeout_s", "startup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.surplus is not None and self.surplus < 0:
+            raise ConfigError("surplus must be 0 (none), a positive number, or unset (sized from turnover)")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be at least 1")
         try:

@@ -75,7 +75,6 @@ class WorkerState(StrEnum):
 
 R = TypeVar("R")
 _warned: set[tuple[str, frozenset[str]]] = set()
-_HINTS: dict[type, dict[str, Any]] = {}
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -99,31 +98,58 @@ def _type_ok(value: Any, hint: Any) -> bool:
     return isinstance(value, hint) if isinstance(hint, type) else True
 
 
+def _record_type(hint: Any) -> type | None:
+    """The record type a field holds (itself or inside `X | None`), for nested decoding."""
+    return next((h for h in (hint, *typing.get_args(hint)) if isinstance(h, type)
+                 and h.__module__ == __name__ and hasattr(h, "__dataclass_fields__")), None)
+
+
+# Per record type, worked out once (decode runs for every prompt a worker takes): field name ->
+# (type hint, nested record type, StrEnum type), and the set of known names.
+_PLANS: dict[type, tuple[frozenset[str], dict[str, tuple[Any, type | None, type | None]]]] = {}
+
+
+def _plan(cls: type) -> tuple[frozenset[str], dict[str, tuple[Any, type | None, type | None]]]:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        hints = typing.get_type_hints(cls)
+        per_field = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            hint = hints[f.name]
+            enum = hint if isinstance(hint, type) and issubclass(hint, StrEnum) else None
+            per_field[f.name] = (hint, _record_type(hint), enum)
+        plan = _PLANS[cls] = (frozenset(per_field), per_field)
+    return plan
+
+
+_PLAIN = {str: str, bool: bool}  # hints whose check is a bare isinstance
+
+
 def decode(cls: type[R], data: Any) -> R:
     """Build record `cls` from a decoded JSON object: unknown fields ignored (one warning), known
     fields type-checked, nested records decoded the same way. Raises RecordError."""
     if not isinstance(data, dict):
         raise RecordError(f"{cls.__name__}: not a JSON object ({type(data).__name__})")
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = frozenset(data) - known
-    if unknown and (cls.__name__, unknown) not in _warned:
-        _warned.add((cls.__name__, unknown))
-        log.warning("%s record has field(s) this version does not know, ignored: %s (a newer batchfleet "
-                    "wrote it?)", cls.__name__, ", ".join(sorted(map(str, unknown)))[:200])
+    known, per_field = _plan(cls)
+    if not known.issuperset(data):
+        unknown = frozenset(data) - known
+        if (cls.__name__, unknown) not in _warned:
+            _warned.add((cls.__name__, unknown))
+            log.warning("%s record has field(s) this version does not know, ignored: %s (a newer batchfleet "
+                        "wrote it?)", cls.__name__, ", ".join(sorted(map(str, unknown)))[:200])
     values: dict[str, Any] = {}
-    for name in known & set(data):
-        value, hint = data[name], hints[name]
-        if not _type_ok(value, hint):
+    for name, value in data.items():
+        entry = per_field.get(name)
+        if entry is None:
+            continue
+        hint, sub, enum = entry
+        plain = _PLAIN.get(hint)
+        if not (isinstance(value, plain) if plain is not None else _type_ok(value, hint)):
             raise RecordError(f"{cls.__name__}.{name}: unexpected value {orjson.dumps(value).decode()[:60]}")
-        sub = next((h for h in (hint, *typing.get_args(hint)) if isinstance(h, type)
-                    and h.__module__ == __name__ and hasattr(h, "__dataclass_fields__")), None)
         if sub is not None and isinstance(value, dict):
             value = decode(sub, value)
-        elif isinstance(hint, type) and issubclass(hint, StrEnum):
-            value = hint(value)
+        elif enum is not None:
+            value = enum(value)
         values[name] = value
     try:
         return cls(**values)
@@ -190,7 +216,7 @@ class Result:
         return int(usage.get("completion_tokens") or 0)
 
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps(self)  # orjson encodes a dataclass natively, as asdict would, without the deep copy
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Result:

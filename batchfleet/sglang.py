@@ -12,6 +12,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
 
@@ -19,6 +20,7 @@ from .errors import PromptError, RetryableError
 from .records import ServerMetrics
 
 __all__ = [
+    "SGLangClient",
     "capacity_from_log",
     "complete",
     "effective_capacity",
@@ -30,52 +32,117 @@ __all__ = [
 _PERMANENT = {400, 404, 413, 422}
 
 
-def make_client(
-    base_url: str, *, api_key: str = "", timeout_s: float, max_connections: int
-) -> httpx.AsyncClient:
-    """One shared client per server. httpx's defaults (5 s timeout, 100 connections) would starve
-    72 concurrent minute-long generations, so both are explicit."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.AsyncClient(
-        base_url=base_url,
-        headers=headers,
-        timeout=httpx.Timeout(timeout_s, connect=10.0),
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-    )
+# Generation requests (`complete`) reuse idle connections for at most this long. Below the keep-alive
+# timeout of SGLang's HTTP server (uvicorn's 5 s), so the client gives an idle connection up before
+# the server closes it under a request being sent.
+GENERATION_KEEPALIVE_S = 4.0
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class SGLangClient(httpx.AsyncClient):
+    """One shared client per server.
+
+    Control-plane requests (health, metrics, server info: a few a second) go through httpx, as
+    always. Generation requests (`complete`: thousands a second) go through an aiohttp session with
+    the same base URL, headers (API key), limits and timeouts: httpx's connection pool scans every
+    connection on every request (O(connections) per request, ~1 ms of CPU per request at 128 in
+    flight), which made httpx the worker's ceiling (docs/benchmarks.md, "Worker dispatch ceiling").
+    Closing the client closes both."""
+
+    def __init__(self, base_url: str, *, api_key: str, timeout_s: float, max_connections: int) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # httpx's defaults (5 s timeout, 100 connections) would starve 72 minute-long generations.
+        super().__init__(base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0),
+                         limits=httpx.Limits(max_connections=max_connections,
+                                             max_keepalive_connections=max_connections))
+        self._gen_base = base_url.rstrip("/")
+        self._gen_headers = headers
+        # As httpx's Timeout(timeout_s, connect=10): a pool slot and each read within timeout_s, a
+        # new connection within 10 s; no bound on the whole request beyond that.
+        self._gen_timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=10.0,
+                                                  sock_read=timeout_s)
+        self._gen_limit = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _generation_session(self) -> aiohttp.ClientSession:
+        """Created on first use, inside the running event loop (aiohttp binds it to the loop)."""
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._gen_limit, limit_per_host=0,
+                                             keepalive_timeout=GENERATION_KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._gen_headers,
+                                                  timeout=self._gen_timeout, raise_for_status=False)
+        return self._session
+
+    async def post_generation(self, url: str, payload: bytes) -> tuple[int, bytes]:
+        """POST `payload` (JSON) to `url` (a path) -> (status, body). Raises RetryableError when no
+        HTTP answer came (its cause is aiohttp's error: ClientConnectorError when never sent)."""
+        try:
+            async with self._generation_session().post(self._gen_base + url, data=payload,
+                                                       headers=_JSON_HEADERS) as resp:
+                return resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        await self._close_generation()
+        await super().aclose()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._close_generation()
+        await super().__aexit__(*exc)
+
+    async def _close_generation(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+
+def make_client(base_url: str, *, api_key: str = "", timeout_s: float, max_connections: int) -> SGLangClient:
+    """One shared client per server: httpx for the control plane, plus `complete`'s fast path."""
+    return SGLangClient(base_url, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections)
 
 
 async def complete(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """POST one OpenAI-shaped request; return the reply or raise PromptError/RetryableError."""
-    try:
-        resp = await client.post(url, content=orjson.dumps(body), headers={"Content-Type": "application/json"})
-    except (httpx.TransportError, httpx.TimeoutException) as exc:
-        raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
-    if resp.status_code == 200:
+    """POST one OpenAI-shaped request; return the reply or raise PromptError/RetryableError.
+
+    Through the client's generation session when it is `make_client`'s, else through httpx; both
+    classify alike: no HTTP answer -> RetryableError (status None); 200 with unreadable JSON ->
+    RetryableError; 400/404/413/422 -> PromptError; any other status -> RetryableError."""
+    payload = orjson.dumps(body)
+    if isinstance(client, SGLangClient):
+        status, content = await client.post_generation(url, payload)
+    else:
         try:
-            return orjson.loads(resp.content)
+            resp = await client.post(url, content=payload, headers=_JSON_HEADERS)
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
+        status, content = resp.status_code, resp.content
+    if status == 200:
+        try:
+            return orjson.loads(content)
         except orjson.JSONDecodeError as exc:
-            raise RetryableError(f"unreadable reply: {resp.content[:200]!r}", status_code=200) from exc
-    message = error_message(resp)
-    if resp.status_code in _PERMANENT:
-        raise PromptError(message, status_code=resp.status_code, body=_json_or_none(resp))
-    raise RetryableError(message, status_code=resp.status_code)
+            raise RetryableError(f"unreadable reply: {content[:200]!r}", status_code=200) from exc
+    message = error_message(status, content)
+    if status in _PERMANENT:
+        raise PromptError(message, status_code=status, body=_json_or_none(content))
+    raise RetryableError(message, status_code=status)
 
 
-def error_message(resp: httpx.Response) -> str:
-    body = _json_or_none(resp)
+def error_message(status: int, content: bytes) -> str:
+    body = _json_or_none(content)
     if isinstance(body, dict):
         for key in ("message", "error", "detail"):
             value = body.get(key)
             if isinstance(value, dict):
                 value = value.get("message")
             if value:
-                return f"HTTP {resp.status_code}: {value}"
-    return f"HTTP {resp.status_code}: {resp.text[:300]}"
+                return f"HTTP {status}: {value}"
+    return f"HTTP {status}: {content[:300].decode('utf-8', errors='replace')}"
 
 
-def _json_or_none(resp: httpx.Response) -> Any:
+def _json_or_none(content: bytes) -> Any:
     try:
-        return orjson.loads(resp.content)
+        return orjson.loads(content)
     except orjson.JSONDecodeError:
         return None
 

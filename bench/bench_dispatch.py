@@ -1,73 +1,345 @@
-"""Worker dispatch ceiling and Redis memory, in one run on this machine.
+"""Worker dispatch ceiling over real HTTP, worker CPU per prompt, and Redis memory, in one run.
 
-1. jobs/s from queue to finished, against an instant backend (no server, no generation):
-   RQ's own SimpleWorker (one job at a time, ~16 round trips each) vs batchfleet's dispatcher
-   (one process, batched Lua bookkeeping). Reported side by side and as a ratio, because these
-   machines are shared and noisy.
-2. Redis memory (used_memory) at the start, with N prompts queued, after they all ran, and after
-   they were collected and exported: results must not pile up in Redis.
+1. HTTP dispatch ceiling: one worker process against an instant HTTP server (`bench/instant.py`, its
+   own process, real sockets on loopback), max_tokens 1, C prompts in flight. Each contender runs in
+   a fresh child process whose own CPU time (getrusage: user + system) is measured from its first
+   request to its last answer:
+   - RQ's SimpleWorker: one job at a time, the job POSTs through a keep-alive httpx.Client;
+   - a bare httpx loop: C coroutines POSTing through one httpx.AsyncClient, no Redis at all: the
+     ceiling httpx allows with the same concurrency;
+   - a bare aiohttp loop, the same through one aiohttp session: the ceiling of the client the worker
+     now uses for generations;
+   - batchfleet's dispatcher: Redis claim/finish (batched Lua) + the worker's SGLang client
+     (`batchfleet.sglang.make_client` / `complete`, as the worker's keeper calls them).
+   The bare loops and the dispatcher run interleaved, --rounds times each; the best and the median are
+   printed (the machine is shared: the best is the least disturbed).
+2. Paced: the instant server runs C requests at once for C / --paced-rate s each (a GPU that finishes
+   that many prompts per second); CPU microseconds per prompt at that rate, bare loop vs dispatcher.
+3. Redis memory (used_memory) at the start, with N prompts queued, after they all ran (in-process
+   instant backend), and after they were collected and exported: results must not pile up.
 
-    python bench/bench_dispatch.py [--baseline-jobs 3000] [--jobs 20000] [--memory-jobs 100000]
+    python bench/bench_dispatch.py [--jobs 20000] [--baseline-jobs 2000] [--concurrency 128] [--rounds 3]
+                                   [--paced-rate 1000] [--paced-jobs 10000] [--memory-jobs 100000]
+                                   [--only ceiling,paced,memory] [--profile out.prof]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import redis
 import redis.asyncio as aioredis
-from rq import Queue, SimpleWorker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from batchfleet.config import Config
-from batchfleet.keys import Keys
-from bench.instant import instant_backend
-from bench.redisproc import PrivateRedis
-from producer.api import enqueue
-from producer.collect import collect_once
-from producer.export import export
-from producer.store import Store
-from worker.dispatcher import Dispatcher
-from worker.ledger import Ledger
+from batchfleet import sglang  # noqa: E402
+from batchfleet.config import Config  # noqa: E402
+from batchfleet.keys import Keys  # noqa: E402
+from bench.instant import instant_backend  # noqa: E402
+from bench.redisproc import PrivateRedis  # noqa: E402
+from producer.api import enqueue  # noqa: E402
+from producer.collect import collect_once  # noqa: E402
+from producer.export import export  # noqa: E402
+from producer.store import Store  # noqa: E402
+from worker.dispatcher import Dispatcher  # noqa: E402
+from worker.ledger import Ledger  # noqa: E402
+
+URL_PATH = "/v1/completions"
 
 
-def prompts_file(path: Path, n: int) -> Path:
+def body_for(i: int) -> dict[str, Any]:
+    return {"model": "default", "prompt": f"Write a short note about item number {i}.", "max_tokens": 1}
+
+
+def prompts_file(path: Path, n: int, max_tokens: int = 64) -> Path:
     with path.open("wb") as f:
         for i in range(n):
             f.write(orjson.dumps({"id": f"p{i}", "prompt": f"Write a short note about item number {i}.",
-                                  "max_tokens": 64}) + b"\n")
+                                  "max_tokens": max_tokens}) + b"\n")
     return path
 
 
-def baseline_simpleworker(url: str, n: int) -> float:
-    r = redis.Redis.from_url(url)
-    r.flushall()
+def cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+# --- children: each prints {"n", "wall_s", "cpu_s", ...} as its last line ---------------------------
+def child_simpleworker(redis_url: str, n: int) -> dict[str, float]:
+    from rq import Queue, SimpleWorker
+
+    r = redis.Redis.from_url(redis_url)
     q = Queue("gpu0", connection=r)
-    q.enqueue_many([Queue.prepare_data("bench.instant.instant", ({"cid": f"p{i}"},), result_ttl=0)
-                    for i in range(n)])
     worker = SimpleWorker([q], connection=r)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     worker.work(burst=True, logging_level="WARNING")
-    elapsed = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
     assert q.count == 0
-    return n / elapsed
+    return {"n": n, "wall_s": wall, "cpu_s": cpu}
 
 
-def enqueue_ours(url: str, n: int, workdir: Path, run: str) -> tuple[Config, Store]:
+async def child_httpx(server_url: str, n: int, concurrency: int) -> dict[str, float]:
+    import httpx
+
+    client = httpx.AsyncClient(base_url=server_url, timeout=httpx.Timeout(60, connect=10.0),
+                               limits=httpx.Limits(max_connections=concurrency + 4,
+                                                   max_keepalive_connections=concurrency + 4))
+    todo = iter(range(n))
+    done = 0
+
+    async def loop() -> None:
+        nonlocal done
+        for i in todo:
+            resp = await client.post(URL_PATH, content=orjson.dumps(body_for(i)),
+                                     headers={"Content-Type": "application/json"})
+            assert resp.status_code == 200
+            orjson.loads(resp.content)
+            done += 1
+
+    await client.post(URL_PATH, content=b"{}")  # the first connection before the clock starts, like the others
+    t0, c0 = time.perf_counter(), cpu_s()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+    await client.aclose()
+    assert done == n
+    return {"n": n, "wall_s": wall, "cpu_s": cpu}
+
+
+async def child_aiohttp(server_url: str, n: int, concurrency: int) -> dict[str, float]:
+    """The same loop through one aiohttp session: the ceiling of the client the worker uses for
+    generations (`batchfleet.sglang.SGLangClient`)."""
+    import aiohttp
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4),
+                                    timeout=aiohttp.ClientTimeout(total=None, sock_read=60))
+    todo = iter(range(n))
+    done = 0
+
+    async def loop() -> None:
+        nonlocal done
+        for i in todo:
+            async with session.post(server_url + URL_PATH, data=orjson.dumps(body_for(i)),
+                                    headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 200
+                orjson.loads(await resp.read())
+            done += 1
+
+    async with session.post(server_url + URL_PATH, data=b"{}") as resp:
+        await resp.read()
+    t0, c0 = time.perf_counter(), cpu_s()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+    await session.close()
+    assert done == n
+    return {"n": n, "wall_s": wall, "cpu_s": cpu}
+
+
+async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurrency: int) -> dict[str, float]:
+    config = Config(run=run, redis_url=redis_url, queues=("gpu0",))
+    client = aioredis.from_url(redis_url)
+    ledger = Ledger(client, Keys(run), worker="bench", lease_ttl_s=config.lease_ttl_s)
+    http = sglang.make_client(server_url, timeout_s=60.0, max_connections=concurrency + 4)
+
+    async def backend(prompt: Any) -> dict[str, Any]:  # what the worker's ServerKeeper.generate does
+        return await sglang.complete(http, prompt.url, prompt.body)
+
+    d = Dispatcher(ledger, backend, config=config, worker="bench", queues=lambda: ["gpu0"])
+    await d.set_capacity(concurrency)  # as the keeper does once its server is up (capacity + surplus)
+    await client.ping()
+    await http.post(URL_PATH, content=b"{}")
+    d.accepting.set()
+    flusher = asyncio.create_task(ledger.run_flusher())
+    t0, c0 = time.perf_counter(), cpu_s()
+    await d.run(burst=True)
+    await d.drain(10)
+    ledger.close()
+    await flusher
+    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+    await client.aclose()
+    await http.aclose()
+    assert d.done == n, (d.done, d.failed, n)
+    return {"n": n, "wall_s": wall, "cpu_s": cpu, "surplus": d.surplus}
+
+
+def child_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("simpleworker", "httpx", "aiohttp", "ours"))
+    ap.add_argument("--redis-url", default="")
+    ap.add_argument("--server-url", default="")
+    ap.add_argument("--run", default="dispatch")
+    ap.add_argument("-n", type=int, required=True)
+    ap.add_argument("-c", "--concurrency", type=int, default=128)
+    ap.add_argument("--profile", default="")
+    a = ap.parse_args(argv)
+    prof = None
+    if a.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    if a.mode == "simpleworker":
+        out = child_simpleworker(a.redis_url, a.n)
+    elif a.mode == "httpx":
+        out = asyncio.run(child_httpx(a.server_url, a.n, a.concurrency))
+    elif a.mode == "aiohttp":
+        out = asyncio.run(child_aiohttp(a.server_url, a.n, a.concurrency))
+    else:
+        out = asyncio.run(child_ours(a.redis_url, a.server_url, a.run, a.n, a.concurrency))
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(a.profile)
+    print(json.dumps(out))
+
+
+# --- parent ------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InstantServer:
+    def __init__(self, delay_s: float = 0.0, capacity: int = 0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.instant", "--port", str(self.port),
+                                      "--delay-s", str(delay_s), "--capacity", str(capacity)], cwd=ROOT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("instant server did not start") from None
+                time.sleep(0.05)
+
+    def __enter__(self) -> InstantServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def run_child(*args: str, env: dict[str, str] | None = None) -> dict[str, float]:
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *args], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"child {args[0]} failed:\n{done.stdout}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def enqueue_ours(url: str, n: int, workdir: Path, run: str, max_tokens: int = 64) -> tuple[Config, Store]:
     # a window as large as the run: every prompt in Redis before the clock starts
-    config = Config(run=run, redis_url=url, state_dir=workdir / run, queues=("gpu0",), window_default=n)
-    done = enqueue(config, redis.Redis.from_url(url), prompts_file(workdir / f"{run}.jsonl", n), queues=("gpu0",))
+    config = Config(run=run, redis_url=url, state_dir=workdir / run, queues=("gpu0",), window_default=n,
+                    window_max=max(n, 20_000))
+    done = enqueue(config, redis.Redis.from_url(url), prompts_file(workdir / f"{run}.jsonl", n, max_tokens),
+                   queues=("gpu0",))
     return config, done.store
 
 
-async def run_dispatcher(url: str, config: Config, capacity: int) -> tuple[float, int]:
+def enqueue_simpleworker(url: str, n: int) -> None:
+    from rq import Queue
+
+    q = Queue("gpu0", connection=redis.Redis.from_url(url))
+    q.enqueue_many([Queue.prepare_data("bench.instant.post_instant", ({"url": URL_PATH, "body": body_for(i)},),
+                                       result_ttl=0) for i in range(n)])
+
+
+def measure_ours(url: str, server: InstantServer, n: int, concurrency: int, workdir: Path, run: str,
+                 profile: str = "") -> dict[str, float]:
+    redis.Redis.from_url(url).flushall()
+    enqueue_ours(url, n, workdir, run, max_tokens=1)
+    extra = ["--profile", profile] if profile else []
+    return run_child("ours", "--redis-url", url, "--server-url", server.url, "--run", run, "-n", str(n),
+                     "-c", str(concurrency), *extra)
+
+
+def rate(m: dict[str, float]) -> float:
+    return m["n"] / m["wall_s"]
+
+
+def us(m: dict[str, float]) -> float:
+    return m["cpu_s"] / m["n"] * 1e6
+
+
+def line(name: str, ms: list[dict[str, float]]) -> str:
+    rates, uss = [rate(m) for m in ms], [us(m) for m in ms]
+    spread = (f"  (median {statistics.median(rates):,.0f}/s, {statistics.median(uss):.0f} µs; {len(ms)} runs of "
+              f"{int(ms[0]['n']):,})")
+    return f"  {name:<32}: {max(rates):9,.0f} prompts/s  {min(uss):6.0f} µs CPU/prompt" + spread
+
+
+def bench_ceiling(url: str, workdir: Path, args: argparse.Namespace) -> None:
+    c = args.concurrency
+    bare: list[dict[str, float]] = []
+    aio: list[dict[str, float]] = []
+    ours: list[dict[str, float]] = []
+    with InstantServer() as server:
+        redis.Redis.from_url(url).flushall()
+        enqueue_simpleworker(url, args.baseline_jobs)
+        sw = run_child("simpleworker", "--redis-url", url, "-n", str(args.baseline_jobs),
+                       env={"BENCH_INSTANT_URL": server.url})
+        for i in range(args.rounds):
+            bare.append(run_child("httpx", "--server-url", server.url, "-n", str(args.jobs), "-c", str(c)))
+            aio.append(run_child("aiohttp", "--server-url", server.url, "-n", str(args.jobs), "-c", str(c)))
+            ours.append(measure_ours(url, server, args.jobs, c, workdir, f"ceiling{i}",
+                                     args.profile if i == args.rounds - 1 else ""))
+    print(f"HTTP dispatch ceiling: one process, instant HTTP server (own process), max_tokens 1, {c} in flight")
+    print(line("RQ SimpleWorker (httpx.Client)", [sw]))
+    print(line(f"bare httpx loop ({c} coroutines)", bare))
+    print(line(f"bare aiohttp loop ({c} coroutines)", aio))
+    print(line("batchfleet dispatcher", ours))
+    r_ours, r_bare, r_aio = max(map(rate, ours)), max(map(rate, bare)), max(map(rate, aio))
+    u_ours, u_bare, u_aio = min(map(us, ours)), min(map(us, bare)), min(map(us, aio))
+    print(f"  dispatcher / SimpleWorker        : {r_ours / rate(sw):9.1f}x prompts/s, "
+          f"{us(sw) / u_ours:.1f}x less CPU per prompt")
+    print(f"  bare httpx / dispatcher          : {r_bare / r_ours:9.2f}x prompts/s, "
+          f"{u_ours / u_bare:.2f}x CPU per prompt (goal: within 1.3x; >= 3,000 prompts/s)")
+    print(f"  bare aiohttp / dispatcher        : {r_aio / r_ours:9.2f}x prompts/s, "
+          f"{u_ours / u_aio:.2f}x CPU per prompt (the client the dispatcher uses)")
+
+
+def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
+    c, target = args.concurrency, args.paced_rate
+    bare: list[dict[str, float]] = []
+    aio: list[dict[str, float]] = []
+    ours: list[dict[str, float]] = []
+    with InstantServer(delay_s=c / target, capacity=c) as server:
+        for i in range(args.rounds):
+            if not args.paced_no_httpx:
+                bare.append(run_child("httpx", "--server-url", server.url, "-n", str(args.paced_httpx_jobs),
+                                      "-c", str(c)))
+            aio.append(run_child("aiohttp", "--server-url", server.url, "-n", str(args.paced_jobs), "-c", str(c)))
+            ours.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"paced{i}"))
+    print(f"paced: the server runs {c} at once for {c / target * 1000:.0f} ms each (mean) -> at most "
+          f"{target:,} prompts/s")
+    if bare:
+        print(line("bare httpx loop", bare))
+    print(line("bare aiohttp loop", aio))
+    print(line("batchfleet dispatcher", ours) + f"  surplus {ours[-1].get('surplus', 0):.0f}")
+    if bare:
+        print(f"  dispatcher / bare httpx          : {min(map(us, ours)) / min(map(us, bare)):9.2f}x CPU per prompt "
+              "(goal: <= 150 µs at 1,000/s)")
+    print(f"  dispatcher / bare aiohttp        : {min(map(us, ours)) / min(map(us, aio)):9.2f}x CPU per prompt")
+
+
+async def run_dispatcher_inprocess(url: str, config: Config, capacity: int) -> tuple[float, int]:
     client = aioredis.from_url(url)
     ledger = Ledger(client, Keys(config.run), worker="bench", lease_ttl_s=config.lease_ttl_s)
     d = Dispatcher(ledger, instant_backend, config=config, worker="bench", queues=lambda: ["gpu0"])
@@ -88,46 +360,57 @@ def used(r: redis.Redis) -> int:
     return int(r.info("memory")["used_memory"])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline-jobs", type=int, default=3000)
-    ap.add_argument("--jobs", type=int, default=20000)
-    ap.add_argument("--memory-jobs", type=int, default=100_000)
-    ap.add_argument("--capacity", type=int, default=256)
-    args = ap.parse_args()
-    with PrivateRedis() as redis_proc, tempfile.TemporaryDirectory() as tmp:
-        url, workdir = redis_proc.url, Path(tmp)
-        r = redis.Redis.from_url(url)
-        base = baseline_simpleworker(url, args.baseline_jobs)
-        r.flushall()
-        config, _ = enqueue_ours(url, args.jobs, workdir, "dispatch")
-        elapsed, done = asyncio.run(run_dispatcher(url, config, args.capacity))
-        assert done == args.jobs, done
-        ours = done / elapsed
-        print("dispatch ceiling (instant backend, one process, local Redis)")
-        print(f"  RQ SimpleWorker      : {base:9,.0f} jobs/s  ({args.baseline_jobs:,} jobs)")
-        print(f"  batchfleet dispatcher: {ours:9,.0f} jobs/s  ({args.jobs:,} jobs, {args.capacity} slots)")
-        print(f"  ratio                : {ours / base:9.1f}x")
+def bench_memory(url: str, workdir: Path, args: argparse.Namespace) -> None:
+    r = redis.Redis.from_url(url)
+    r.flushall()
+    r.memory_purge()
+    start = used(r)
+    config, store = enqueue_ours(url, args.memory_jobs, workdir, "memory")
+    queued = used(r)
+    elapsed, done = asyncio.run(run_dispatcher_inprocess(url, config, 256))
+    ran = used(r)
+    collect_once(r, store, Keys(config.run))
+    summary = export(r, store, Keys(config.run), workdir / "out.jsonl")
+    r.memory_purge()
+    end = used(r)
+    lines = sum(1 for _ in (workdir / "out.jsonl").open("rb"))
+    assert lines == args.memory_jobs, (lines, summary)
+    mib = 1 / 2**20
+    print(f"Redis used_memory over {args.memory_jobs:,} prompts (in-process instant backend, {done / elapsed:,.0f} "
+          "jobs/s)")
+    print(f"  at start                      : {start * mib:8.2f} MiB")
+    print(f"  {args.memory_jobs:,} queued                : {queued * mib:8.2f} MiB")
+    print(f"  all ran, results not collected: {ran * mib:8.2f} MiB")
+    print(f"  collected and exported        : {end * mib:8.2f} MiB  ({(end - start) / 1024:+.1f} KiB vs start)")
 
-        r.flushall()
-        r.memory_purge() if hasattr(r, "memory_purge") else None
-        start = used(r)
-        config, store = enqueue_ours(url, args.memory_jobs, workdir, "memory")
-        queued = used(r)
-        elapsed, done = asyncio.run(run_dispatcher(url, config, args.capacity))
-        ran = used(r)
-        collect_once(r, store, Keys(config.run))
-        summary = export(r, store, Keys(config.run), workdir / "out.jsonl")
-        r.memory_purge() if hasattr(r, "memory_purge") else None
-        end = used(r)
-        lines = sum(1 for _ in (workdir / "out.jsonl").open("rb"))
-        assert lines == args.memory_jobs, (lines, summary)
-        mib = 1 / 2**20
-        print(f"Redis used_memory over {args.memory_jobs:,} prompts ({done / elapsed:,.0f} jobs/s)")
-        print(f"  at start                      : {start * mib:8.2f} MiB")
-        print(f"  {args.memory_jobs:,} queued                : {queued * mib:8.2f} MiB")
-        print(f"  all ran, results not collected: {ran * mib:8.2f} MiB")
-        print(f"  collected and exported        : {end * mib:8.2f} MiB  ({(end - start) / 1024:+.1f} KiB vs start)")
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        child_main(sys.argv[2:])
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline-jobs", type=int, default=2000)
+    ap.add_argument("--jobs", type=int, default=20000)
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--paced-rate", type=int, default=1000)
+    ap.add_argument("--paced-jobs", type=int, default=10000)
+    ap.add_argument("--paced-httpx-jobs", type=int, default=3000, help="httpx cannot keep up: fewer")
+    ap.add_argument("--paced-no-httpx", action="store_true")
+    ap.add_argument("--memory-jobs", type=int, default=100_000)
+    ap.add_argument("--only", default="ceiling,paced,memory")
+    ap.add_argument("--profile", default="", help="cProfile the dispatcher's last ceiling run into this file")
+    args = ap.parse_args()
+    parts = set(args.only.split(","))
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores)")
+    with PrivateRedis() as redis_proc, tempfile.TemporaryDirectory() as tmp:
+        if "ceiling" in parts:
+            bench_ceiling(redis_proc.url, Path(tmp), args)
+        if "paced" in parts:
+            bench_paced(redis_proc.url, Path(tmp), args)
+        if "memory" in parts:
+            bench_memory(redis_proc.url, Path(tmp), args)
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,34 @@
-"""Job functions and backends that take no time: for measuring dispatch overhead alone."""
+"""Job functions, backends and an HTTP server that take no time: for measuring dispatch overhead alone.
+
+- `instant` / `instant_backend`: no HTTP at all (RQ's SimpleWorker job; the dispatcher's backend).
+- `post_instant`: an RQ job that POSTs its prompt to the instant server (`BENCH_INSTANT_URL`), over
+  one keep-alive connection per process: the SimpleWorker baseline of the HTTP dispatch ceiling.
+- `python -m bench.instant --port P [--delay-s D --capacity C]`: an HTTP/1.1 keep-alive server that
+  answers every POST with a one-token OpenAI completion, after D seconds on average (0.5-1.5 x D,
+  seeded) when D > 0, running at most C requests at once while the rest wait in its queue, like a
+  GPU server: it finishes at most C / D prompts/s however many a client keeps in flight. A bare
+  asyncio protocol, so that the server costs as little CPU as it can on the shared machine.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import re
+from collections import deque
 from typing import Any
+
+import orjson
 
 REPLY = {"choices": [{"text": "ok", "finish_reason": "stop"}],
          "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
+_BODY = orjson.dumps({"id": "cmpl-instant", "object": "text_completion", "model": "instant", **REPLY})
+_CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
+_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+             % len(_BODY)) + _BODY
 
 
 def instant(prompt: dict[str, Any]) -> dict[str, Any]:
@@ -16,3 +39,105 @@ def instant(prompt: dict[str, Any]) -> dict[str, Any]:
 async def instant_backend(prompt: Any) -> dict[str, Any]:
     """What batchfleet's dispatcher calls in place of a server: returns at once."""
     return REPLY
+
+
+_sync_client: Any = None
+
+
+def post_instant(prompt: dict[str, Any]) -> dict[str, Any]:
+    """The SimpleWorker baseline's job: one blocking POST to the instant server."""
+    global _sync_client
+    import httpx
+
+    if _sync_client is None:
+        _sync_client = httpx.Client(base_url=os.environ["BENCH_INSTANT_URL"], timeout=30.0)
+    resp = _sync_client.post(prompt["url"], content=orjson.dumps(prompt["body"]),
+                             headers={"Content-Type": "application/json"})
+    resp.raise_for_status()
+    return orjson.loads(resp.content)
+
+
+class _Engine:
+    """Runs at most `capacity` requests at once (0: no limit), each for `delay_s` on average; the rest
+    wait in its queue, first come first served."""
+
+    def __init__(self, delay_s: float, capacity: int) -> None:
+        self.delay_s = delay_s
+        self.capacity = capacity
+        self.running = 0
+        self.waiting: deque[_InstantProtocol] = deque()
+        self.rng = random.Random(7)
+
+    def submit(self, conn: _InstantProtocol) -> None:
+        if self.delay_s <= 0:
+            conn.answer()
+        elif self.capacity and self.running >= self.capacity:
+            self.waiting.append(conn)
+        else:
+            self._start(conn)
+
+    def _start(self, conn: _InstantProtocol) -> None:
+        self.running += 1
+        asyncio.get_running_loop().call_later(self.delay_s * (0.5 + self.rng.random()), self._finish, conn)
+
+    def _finish(self, conn: _InstantProtocol) -> None:
+        self.running -= 1
+        conn.answer()
+        while self.waiting and (not self.capacity or self.running < self.capacity):
+            nxt = self.waiting.popleft()
+            if nxt.transport is not None:  # a client that left is not run
+                self._start(nxt)
+
+
+class _InstantProtocol(asyncio.Protocol):
+    """HTTP/1.1 keep-alive, one request at a time per connection."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self.engine = engine
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            m = _CONTENT_LENGTH.search(self.buf, 0, end + 2)
+            length = int(m.group(1)) if m else 0
+            if len(self.buf) < end + 4 + length:
+                return
+            self.buf = self.buf[end + 4 + length:]
+            self.engine.submit(self)
+
+    def answer(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(_RESPONSE)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+
+async def serve(port: int, delay_s: float = 0.0, capacity: int = 0) -> None:
+    engine = _Engine(delay_s, capacity)
+    server = await asyncio.get_running_loop().create_server(lambda: _InstantProtocol(engine), "127.0.0.1", port,
+                                                            backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--delay-s", type=float, default=0.0)
+    ap.add_argument("--capacity", type=int, default=0)
+    args = ap.parse_args()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(args.port, args.delay_s, args.capacity))
+
+
+if __name__ == "__main__":
+    main()

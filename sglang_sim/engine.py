@@ -106,6 +106,12 @@ class Rank:
         self.gen_throughput = 0.0
         self.hung = False
         self.idle_since: float | None = None
+        # Slot fill, in model time: occupied slot-seconds so far, and (model time, slot-seconds) when
+        # the rank first ran `cap` requests and at its latest admission of a client request.
+        self.slot_s = 0.0
+        self.full_at: tuple[float, float] | None = None
+        self.last_admit: tuple[float, float] | None = None
+        self.longest_s = 0.0  # the longest admission-to-finish of a client request, in model time
 
     # ---- usage figures -------------------------------------------------------------------
     def used_tokens(self) -> int:
@@ -184,7 +190,9 @@ class Rank:
             if batch:
                 new_tokens = sum(r.prompt_tokens + r.generated - r.cached_tokens for r in batch)
                 self.t = max(self.t, min(r.arrival_model for r in batch))
-                self.t += profile.prefill_s(new_tokens)
+                prefill = profile.prefill_s(new_tokens)
+                self.slot_s += prefill * (len(self.running) + len(batch))  # the batch holds its slots already
+                self.t += prefill
                 for r in batch:
                     r.state, r.admitted_model = "running", self.t
                     self.running.append(r)
@@ -195,6 +203,10 @@ class Rank:
                         self.gen_tokens += r.generated
                     r.changed.set()
                 engine.metrics.on_prefill(batch, self.t)
+                if self.full_at is None and len(self.running) >= self.cap:
+                    self.full_at = (self.t, self.slot_s)
+                if any(not r.internal for r in batch):
+                    self.last_admit = (self.t, self.slot_s)
                 if profile.hybrid:
                     usage = f"full token usage: {self.full_usage():.2f}, mamba usage: {self.mamba_usage():.2f}"
                 else:
@@ -233,6 +245,7 @@ class Rank:
         room = max(1, (self.tokens - self.used_tokens()) // len(self.running))
         k = min(steps, min(r.remaining for r in self.running), to_log, room)
         k = max(k, 1)
+        self.slot_s += k * step * len(self.running)
         self.t += k * step
         self.decode_steps += k
         for r in self.running:
@@ -277,6 +290,10 @@ class Rank:
                 continue
             if r.remaining <= 0:
                 r.state, r.finish_model = "finished", self.t
+                if not r.internal:
+                    engine.last_finish_wall = time.time()
+                    if r.admitted_model is not None:
+                        self.longest_s = max(self.longest_s, self.t - r.admitted_model)
                 self.cache.insert(r.prompt_words)
                 engine.metrics.on_finish(r)
                 r.changed.set()
@@ -293,6 +310,8 @@ class Engine:
         self._wall0 = time.monotonic()
         self._next_rank = 0
         self.admitted_total = 0
+        self.first_admit_wall: float | None = None  # time.time() of the first client admission
+        self.last_finish_wall: float | None = None  # ... and of the latest client finish
         self.peak_running = 0
         self.peak_queued = 0
         self.on_tick: list = []  # callbacks after each tick (observation record)
@@ -330,6 +349,8 @@ class Engine:
         if req.internal:
             return
         self.admitted_total += 1
+        if self.first_admit_wall is None:
+            self.first_admit_wall = time.time()
         self.faults.on_admitted(self.admitted_total, self, req.prompt_words)
 
     def finish_abort(self, req: Request, message: str, *, status: int = 200) -> None:

@@ -38,3 +38,11 @@ def test_the_queue_names_the_gpu():
     assert gpu_index_for_queue("gpu12") == 12
     assert gpu_index_for_queue("jobA.gpu7") == 7
     assert gpu_index_for_queue("cpu") is None
+
+
+def test_surplus_is_unset_zero_or_a_positive_number():
+    assert Config.from_env({}).surplus is None  # sized from turnover
+    assert Config.from_env({"BATCHFLEET_SURPLUS": "0"}).surplus == 0
+    assert Config.from_env({"BATCHFLEET_SURPLUS": "4"}).surplus == 4
+    with pytest.raises(ConfigError, match="surplus"):
+        Config.from_env({"BATCHFLEET_SURPLUS": "-1"})

@@ -1,5 +1,10 @@
-"""Keep exactly `capacity` prompts in flight against one server: claim jobs as slots free up, run
-each as an asyncio task through the backend, and report outcomes to the ledger.
+"""Keep one server's slots busy: claim jobs as slots free up, run each as an asyncio task through
+the backend, and report outcomes to the ledger.
+
+In flight = the server's effective capacity + a small surplus that waits in the server's own queue
+(`set_capacity`; sized by `slots.Turnover` from the measured turnover), so a finished request's slot
+is refilled at the server's next step instead of after a round trip to the worker and Redis. A drain
+hands the surplus (the prompts sent last: those still queued in the server) back at once, untouched.
 
 Outcomes follow the exception tree in `batchfleet.errors`: a reply is a success; PromptError fails
 the prompt once with the server's reason; RetryableError retries with capped exponential backoff
@@ -33,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import aiohttp
 import httpx
 import redis
 
@@ -46,15 +52,21 @@ from batchfleet.redact import Scrubber
 
 from .ledger import MAX_STRIKES, Claim, ClaimKind, DeathOutcome, Ledger, parse_job_data
 from .redislink import LINK
-from .slots import Slots
+from .slots import Slots, Turnover, surplus_cap
 
 __all__ = ["Backend", "Dispatcher", "Flight"]
 
 log = logging.getLogger("batchfleet.worker.dispatcher")
 
-# A request that failed with one of these never reached the server (nothing to strike it for).
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# A request that failed with one of these never reached the server (nothing to strike it for): no
+# connection, or none free in time (httpx on the control plane; aiohttp for generations, see sglang).
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, aiohttp.ClientConnectorError,
+             aiohttp.ConnectionTimeoutError)
 LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
+# While part of the surplus still waits in the server, the claim loop gathers free slots this long
+# before it claims: one Redis call for several prompts. The refill delay it adds is measured with the
+# rest (Turnover), so the surplus grows to cover it.
+CLAIM_GATHER_S = 0.005
 
 
 class Backend(Protocol):
@@ -69,6 +81,7 @@ class Flight:
     prompt: Prompt | None = None
     attempts: int = 0
     inside: bool = False  # its request is (or may still be) inside the server: a death strikes it
+    sent_at: float = 0.0  # time.monotonic() when its request was last sent
     settled: bool = False  # its outcome is written (or handed back): nothing left to do
     collected: bool = False  # taken over by `server_lost`: it must not hand itself back
     lost: bool = False  # its lease lapsed and another worker requeued it: drop it silently
@@ -89,6 +102,12 @@ class Dispatcher:
         self.on_completion = on_completion  # completion tokens of each success (throughput meter)
         self.scrub = Scrubber.for_config(config)  # error texts become results, exports and log lines
         self.slots = Slots(0)
+        self.capacity = 0  # what the server runs at once (the semaphore admits capacity + surplus)
+        self.surplus = 0  # prompts kept waiting in the server's queue on purpose
+        self.surplus_max = 0
+        self._surplus_auto = False
+        self._surplus_checked = 0.0
+        self.turnover = Turnover()
         self.tasks: dict[asyncio.Task[None], Flight] = {}
         self.accepting = asyncio.Event()  # cleared while paused (server restarting) or stopping
         self.draining = False  # a drain is under way: prompts waiting to retry go back at once
@@ -112,6 +131,29 @@ class Dispatcher:
     def in_flight(self) -> int:
         return len(self.tasks)
 
+    async def set_capacity(self, capacity: int, *, max_in_flight: int | None = None) -> None:
+        """Size the semaphore for a server that runs `capacity` requests at once: capacity + surplus;
+        or `max_in_flight` alone when the configuration caps below the server (its slots are not all
+        used anyway, so a surplus would only raise the cap)."""
+        base = min(capacity, max_in_flight or capacity)
+        self.capacity = base
+        if base < capacity or self.config.surplus == 0:
+            self._surplus_auto, self.surplus_max = False, 0
+        else:
+            self._surplus_auto = self.config.surplus is None
+            self.surplus_max = surplus_cap(base, self.config.surplus)
+        self.surplus = self.turnover.surplus(time.monotonic(), self.surplus_max) if self._surplus_auto \
+            else self.surplus_max
+        self.slots.set_limit(base + self.surplus)
+
+    def _resize_surplus(self, now: float) -> None:
+        self._surplus_checked = now
+        surplus = self.turnover.surplus(now, self.surplus_max)
+        if surplus != self.surplus:
+            log.debug("surplus %d -> %d (refill %.1f ms)", self.surplus, surplus, self.turnover.refill_s * 1e3)
+            self.surplus = surplus
+            self.slots.set_limit(self.capacity + surplus)
+
     # --- the claim loop -------------------------------------------------------------------------------
     async def run(self, *, burst: bool = False) -> None:
         """Claim and start jobs until cancelled (or, in burst mode, until the queues are empty)."""
@@ -128,7 +170,15 @@ class Dispatcher:
             if self._solo is not None:  # a prompt runs alone: nothing else until it is done
                 await asyncio.wait({self._solo})
                 continue
+            now = time.monotonic()
+            if self._surplus_auto and now - self._surplus_checked > 0.5:
+                self._resize_surplus(now)
+            if self.surplus:
+                await self.slots.acquire_up_to(0)  # a slot is free
+                if self.slots.in_use > self.capacity:  # the server still holds some of the surplus
+                    await asyncio.sleep(CLAIM_GATHER_S)
             took = await self.slots.acquire_up_to(self.slots.capacity)
+            freed_at = self.slots.take_freed_at()
             if not (self.accepting.is_set() and self.checked.is_set()):
                 self.slots.release(took)
                 continue
@@ -157,6 +207,8 @@ class Dispatcher:
             for claim in claims:
                 self._start(claim)
             if claims:
+                if freed_at is not None and idle_s == 0.02 and len(claims) == took:
+                    self.turnover.refilled(time.monotonic() - freed_at)  # a slot freed -> refilled
                 idle_s = 0.02
                 continue
             if burst and not self.tasks:
@@ -217,6 +269,7 @@ class Dispatcher:
             while True:
                 flight.attempts += 1
                 was_inside, flight.inside = flight.inside, True
+                flight.sent_at = time.monotonic()
                 try:
                     body = await self.backend(prompt)
                 except RetryableError as exc:
@@ -353,6 +406,7 @@ class Dispatcher:
                         worker=self.worker, attempts=flight.attempts, finished_at=self.clock())
         flight.settled = True
         self.done += 1
+        self.turnover.finished(time.monotonic())
         self.on_completion(result.completion_tokens)
         self.ledger.finish(flight.claim, result)
 
@@ -365,6 +419,7 @@ class Dispatcher:
                         finished_at=self.clock())
         flight.settled = True
         self.failed += 1
+        self.turnover.finished(time.monotonic())
         log.warning("prompt %s failed (%s): %s", result.cid, code, message)
         self.ledger.finish(flight.claim, result, exc_string=f"{code}: {message}")
 
@@ -378,6 +433,22 @@ class Dispatcher:
         self.handed_back += n
 
     # --- control ----------------------------------------------------------------------------------------
+    async def _hand_back_surplus(self) -> None:
+        """At a drain, the prompts beyond the server's capacity are (most likely) still waiting in its
+        queue: hand them back now, untouched, rather than let them start and stretch the drain. Those
+        sent last go first (prompts not inside the server at all before any)."""
+        extra = len(self.tasks) - self.capacity
+        if not self.capacity or self.slots.capacity <= self.capacity or extra <= 0:
+            return
+        open_ = [(t, f) for t, f in self.tasks.items() if not f.settled]
+        open_.sort(key=lambda tf: tf[1].sent_at if tf[1].inside else float("inf"), reverse=True)
+        youngest = [t for t, _ in open_[:extra]]
+        for task in youngest:
+            task.cancel()
+        if youngest:
+            await asyncio.gather(*youngest, return_exceptions=True)
+            log.info("handed back %d surplus prompt(s) waiting in the server", len(youngest))
+
     async def server_lost(self, *, reason: str, log_tail: str) -> DeathOutcome:
         """The server died (or hung and was killed): stop claiming, take every prompt back from its
         task, and in one atomic call give a strike to each that was inside the server, the rest back
@@ -451,6 +522,7 @@ class Dispatcher:
         self.draining = True
         before = self.handed_back
         try:
+            await self._hand_back_surplus()
             pending = list(self.tasks)
             if pending:
                 _, still = await asyncio.wait(pending, timeout=timeout_s)

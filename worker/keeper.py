@@ -29,6 +29,7 @@ from .dispatcher import Dispatcher
 from .events import EventLog
 from .gpu import wait_gpu_free
 from .server import SGLangServer
+from .slots import surplus_cap
 from .spec import SpecFollower
 
 __all__ = ["Phase", "ServerKeeper"]
@@ -108,8 +109,7 @@ class ServerKeeper:
             raise
         self._failures = 0
         await self._open_http(capacity)
-        limit = min(capacity, self.config.max_in_flight or capacity)
-        await self.dispatcher.slots.resize(limit)
+        await self.dispatcher.set_capacity(capacity, max_in_flight=self.config.max_in_flight)
         self.state, self.message = WorkerState.SERVING, ""
         self.dispatcher.server_checked()
         self.dispatcher.accepting.set()
@@ -240,6 +240,9 @@ class ServerKeeper:
     async def _open_http(self, capacity: int) -> None:
         if self.http is not None:
             await self.http.aclose()
-        # A few connections beyond capacity for health checks and metrics scrapes.
+        # Capacity + the largest surplus (dispatcher.set_capacity), and a few more for health checks
+        # and metrics scrapes.
+        extra = surplus_cap(capacity, self.config.surplus)
         self.http = sglang.make_client(self.server.url, api_key=self.config.server_api_key,
-                                       timeout_s=self.config.request_timeout_s, max_connections=capacity + 4)
+                                       timeout_s=self.config.request_timeout_s,
+                                       max_connections=capacity + extra + 4)

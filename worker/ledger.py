@@ -56,6 +56,10 @@ log = logging.getLogger("batchfleet.worker.ledger")
 
 MAX_STRIKES = 3  # server deaths (the last one alone) after which a prompt is quarantined
 MAX_JOB_BYTES = MAX_BODY_BYTES + 64 * 1024  # a job's data, decompressed: the prompt and its envelope
+# A finish waits up to this long for others to share its script call (its slot is free already; only
+# the results stream waits, and a lease covers 15 s). At 1,000 prompts/s: ~20 per call instead of 1.
+FLUSH_GATHER_S = 0.02
+FLUSH_GATHER_MAX = 200
 
 # Helpers every script starts with: Redis's clock, and RQ's timestamp format from it.
 _PRELUDE = """
@@ -432,6 +436,8 @@ class Ledger:
         never end.)"""
         while not (self._closing and not self._pending):
             await self._wake.wait()
+            if not self._closing and len(self._pending) < FLUSH_GATHER_MAX:
+                await asyncio.sleep(FLUSH_GATHER_S)  # let a few more finish: one script call for all
             self._wake.clear()
             try:
                 await self.flush()

@@ -202,7 +202,7 @@ class GPUService:
             worker=self.worker, host=HOST, queue=self.queue, gpu=self.gpu, state=self.keeper.state,
             server_url=self.server.url, strategy=self.server.spec.strategy, server_flags=self.server.flags,
             generation=self.server.spec.generation, effective_max=self.server.capacity,
-            slots=self.dispatcher.slots.capacity, facts=self.server.facts,
+            slots=self.dispatcher.slots.capacity, surplus=self.dispatcher.surplus, facts=self.server.facts,
             in_flight=self.dispatcher.in_flight, done=self.dispatcher.done, failed=self.dispatcher.failed,
             tokens_per_s=round(self.meter.tokens_per_s(), 1), metrics=self.reporter.metrics,
             message=self.scrub(self.keeper.message), ts=self.clock())

@@ -1,18 +1,25 @@
 """A resizable asyncio semaphore: the worker's in-flight limit, sized to the server's effective
-capacity and resized when a restart changes it."""
+capacity plus a small surplus (`Turnover`) and resized when a restart changes it.
+
+Waiters are futures woken straight from `release()` (no lock, no task per release: it runs for
+every finished prompt, thousands of times a second)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections import deque
 
-__all__ = ["Slots"]
+__all__ = ["Slots", "Turnover", "surplus_cap"]
 
 
 class Slots:
     def __init__(self, capacity: int = 0) -> None:
         self._capacity = capacity
         self.in_use = 0
-        self._changed = asyncio.Condition()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.freed_at: float | None = None  # monotonic time of the first release since `take_freed_at`
 
     @property
     def capacity(self) -> int:
@@ -23,26 +30,111 @@ class Slots:
         return max(0, self._capacity - self.in_use)
 
     async def resize(self, capacity: int) -> None:
-        async with self._changed:
-            self._capacity = capacity
-            self._changed.notify_all()
+        self.set_limit(capacity)
+
+    def set_limit(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._wake()
+
+    def take_freed_at(self) -> float | None:
+        """When the first slot was released since the last call (the claim loop times its refills)."""
+        freed_at, self.freed_at = self.freed_at, None
+        return freed_at
 
     async def acquire_up_to(self, n: int) -> int:
         """Wait until at least one slot is free, then take up to `n`; return how many were taken."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.free > 0)
-            took = min(n, self.free)
-            self.in_use += took
-            return took
+        while self.free <= 0:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+                raise
+        took = min(n, self.free)
+        self.in_use += took
+        return took
 
     async def acquire(self) -> None:
         await self.acquire_up_to(1)
 
     def release(self, n: int = 1) -> None:
         self.in_use -= n
-        # notify needs the lock; schedule it rather than block the caller (called from `finally`).
-        asyncio.get_running_loop().create_task(self._notify())
+        if self.freed_at is None:
+            self.freed_at = time.monotonic()
+        self._wake()
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def _wake(self) -> None:
+        """Wake every waiter while slots are free (each re-checks; those that find none wait again)."""
+        if self.free <= 0:
+            return
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+
+
+def surplus_cap(base: int, configured: int | None) -> int:
+    """The most prompts a worker keeps queued in a server that runs `base` at once: what was
+    configured (at most `base`), else half of `base` (at least 1). Turnover decides how many of
+    those it keeps; the bound only limits what a drain or a death has to hand back."""
+    if base <= 0:
+        return 0
+    if configured is not None:
+        return min(configured, base)
+    return max(1, base // 2)
+
+
+class Turnover:
+    """How many prompts to keep waiting in the server so that no slot idles between a finish and
+    its replacement's arrival.
+
+    A finished request's slot stays empty until the worker has heard of the finish, claimed the next
+    prompt from Redis and sent it: the refill delay, measured by the claim loop (`refilled`), doubled
+    for the legs it cannot see (the reply on its way to the worker, the request on its way to the
+    server). Requests already waiting inside the server fill those slots at its next step instead, as
+    long as no more of them finish within one such round trip than are waiting. Finishes come in
+    bursts (one decode step ends several requests), so the surplus is the most finishes seen within
+    one round trip over the last `horizon_s`, plus one. O(1) per finish."""
+
+    BUCKET_S = 0.5
+
+    def __init__(self, *, horizon_s: float = 10.0, min_window_s: float = 0.002) -> None:
+        self.horizon_s = horizon_s
+        self.min_window_s = min_window_s
+        self.refill_s = 0.0  # EWMA of the claim loop's refill delay
+        self._window: deque[float] = deque()  # finishes within one round trip of the latest
+        self._buckets: deque[list[float]] = deque()  # [bucket start, most finishes within one round trip]
+
+    @property
+    def window_s(self) -> float:
+        return max(self.min_window_s, 2.0 * self.refill_s)
+
+    def refilled(self, seconds: float) -> None:
+        seconds = min(seconds, 1.0)
+        self.refill_s = seconds if self.refill_s == 0.0 else 0.8 * self.refill_s + 0.2 * seconds
+
+    def finished(self, now: float) -> None:
+        win = self._window
+        win.append(now)
+        edge = now - self.window_s
+        while win[0] < edge:
+            win.popleft()
+        buckets = self._buckets
+        if not buckets or now - buckets[-1][0] >= self.BUCKET_S:
+            buckets.append([now, 0])
+            while now - buckets[0][0] > self.horizon_s:
+                buckets.popleft()
+        if len(win) > buckets[-1][1]:
+            buckets[-1][1] = len(win)
+
+    def surplus(self, now: float, cap: int) -> int:
+        """The most finishes within one round trip over the horizon, + 1; within [min(1, cap), cap]."""
+        if cap <= 0:
+            return 0
+        buckets = self._buckets
+        while buckets and now - buckets[0][0] > self.horizon_s:
+            buckets.popleft()
+        most = max((int(b[1]) for b in buckets), default=0)
+        return max(1, min(cap, most + 1))

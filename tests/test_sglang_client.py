@@ -1,0 +1,284 @@
+"""The worker's generation client (`batchfleet.sglang.make_client` + `complete`) against a raw
+HTTP/1.1 server on a real socket: keep-alive, a connection the server closed, timeouts, chunked,
+Content-Length and read-until-close replies, the API key, and how each outcome is classified."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from batchfleet import sglang
+from batchfleet.errors import PromptError, RetryableError
+from worker.dispatcher import _NOT_SENT
+
+REPLY = b'{"choices":[{"text":"ok","finish_reason":"stop"}],"usage":{"completion_tokens":1}}'
+
+
+def reply(status: int, body: bytes, *, reason: str = "OK", extra: str = "") -> bytes:
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"{extra}\r\n").encode() + body
+
+
+class RawServer:
+    """One behaviour per path. Records every request (head lines) and every connection."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, str]] = []  # lower-cased headers + ":path" + ":conn"
+        self.connections = 0
+        self.closed_by_client = asyncio.Event()
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> RawServer:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.server.wait_closed(), 5)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        conn = self.connections
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    self.closed_by_client.set()
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                self.requests.append({**headers, ":path": path, ":conn": str(conn), ":method": method,
+                                      ":body": body.decode()})
+                if not await self._answer(path, reader, writer):
+                    writer.close()
+                    return
+        finally:
+            writer.close()
+
+    async def _answer(self, path: str, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
+        """Write the reply for `path`; False closes the connection."""
+        if path == "/ok":
+            w.write(reply(200, REPLY))
+        elif path == "/chunked":
+            parts = [REPLY[:10], REPLY[10:40], REPLY[40:]]
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+            for part in parts:
+                w.write(b"%x\r\n%s\r\n" % (len(part), part))
+                await w.drain()
+                await asyncio.sleep(0.01)
+            w.write(b"0\r\n\r\n")
+        elif path == "/until-close":
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n" + REPLY)
+            await w.drain()
+            return False
+        elif path == "/ok-then-close":  # as a keep-alive timeout does, after the reply
+            w.write(reply(200, REPLY))
+            await w.drain()
+            return False
+        elif path == "/bad":
+            w.write(reply(400, b'{"object":"error","message":"The input is longer than the context.","code":400}',
+                          reason="Bad Request"))
+        elif path == "/full":
+            w.write(reply(503, b'{"error":{"message":"The request queue is full."}}', reason="Service Unavailable"))
+        elif path == "/garbage":
+            w.write(reply(200, b"<html>not json"))
+        elif path == "/half":  # the head, then the connection drops mid-body
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n{\"cho")
+            await w.drain()
+            return False
+        elif path == "/hang":  # never answers; notices when the client leaves
+            if await reader.read(1) == b"":
+                self.closed_by_client.set()
+            return False
+        await w.drain()
+        return True
+
+
+def run(coro_fn: Callable[[RawServer], Awaitable[None]]) -> None:
+    async def go() -> None:
+        async with RawServer() as srv:
+            await asyncio.wait_for(coro_fn(srv), 60)
+
+    asyncio.run(go())
+
+
+def test_keep_alive_one_connection_for_sequential_requests_with_the_api_key() -> None:
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, api_key="sk-test", timeout_s=30, max_connections=8)
+        try:
+            for i in range(5):
+                assert await sglang.complete(client, "/ok", {"prompt": f"p{i}", "max_tokens": 1}) == \
+                    {"choices": [{"text": "ok", "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
+        finally:
+            await client.aclose()
+        assert srv.connections == 1
+        assert [r[":conn"] for r in srv.requests] == ["1"] * 5
+        first = srv.requests[0]
+        assert first[":method"] == "POST"
+        assert first["authorization"] == "Bearer sk-test"
+        assert first["content-type"] == "application/json"
+        assert first[":body"] == '{"prompt":"p0","max_tokens":1}'
+
+    run(go)
+
+
+def test_concurrent_requests_open_at_most_max_connections() -> None:
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, timeout_s=30, max_connections=3)
+        try:
+            await asyncio.gather(*(sglang.complete(client, "/chunked", {"i": i}) for i in range(12)))
+        finally:
+            await client.aclose()
+        assert len(srv.requests) == 12
+        assert srv.connections <= 3
+
+    run(go)
+
+
+def test_chunked_and_read_until_close_replies() -> None:
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
+        try:
+            assert (await sglang.complete(client, "/chunked", {}))["usage"] == {"completion_tokens": 1}
+            assert (await sglang.complete(client, "/until-close", {}))["choices"][0]["text"] == "ok"
+            assert (await sglang.complete(client, "/ok", {}))["choices"][0]["text"] == "ok"
+        finally:
+            await client.aclose()
+
+    run(go)
+
+
+def test_a_connection_the_server_closed_is_not_reused() -> None:
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
+        try:
+            await sglang.complete(client, "/ok-then-close", {})
+            for _ in range(50):  # let the client's loop see the close (no timing: it is the same loop)
+                await asyncio.sleep(0.01)
+            await sglang.complete(client, "/ok", {})
+            await sglang.complete(client, "/ok", {})
+        finally:
+            await client.aclose()
+        assert [r[":conn"] for r in srv.requests] == ["1", "2", "2"]
+
+    run(go)
+
+
+def test_statuses_are_classified() -> None:
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
+        try:
+            with pytest.raises(PromptError) as bad:
+                await sglang.complete(client, "/bad", {})
+            assert bad.value.status_code == 400
+            assert str(bad.value) == "HTTP 400: The input is longer than the context."
+            with pytest.raises(RetryableError) as full:
+                await sglang.complete(client, "/full", {})
+            assert full.value.status_code == 503
+            assert str(full.value) == "HTTP 503: The request queue is full."
+            with pytest.raises(RetryableError) as garbage:
+                await sglang.complete(client, "/garbage", {})
+            assert garbage.value.status_code == 200
+            # the connection survives every one of those answers
+            await sglang.complete(client, "/ok", {})
+        finally:
+            await client.aclose()
+        assert srv.connections == 1
+
+    run(go)
+
+
+def test_a_reply_cut_short_is_retryable_with_no_status() -> None:
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
+        try:
+            with pytest.raises(RetryableError) as cut:
+                await sglang.complete(client, "/half", {})
+            assert cut.value.status_code is None
+            assert not isinstance(cut.value.__cause__, _NOT_SENT)  # it was sent: a server death strikes it
+            await sglang.complete(client, "/ok", {})
+        finally:
+            await client.aclose()
+
+    run(go)
+
+
+def test_read_timeout_is_retryable_and_closes_the_connection() -> None:
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, timeout_s=0.5, max_connections=4)
+        try:
+            with pytest.raises(RetryableError) as slow:
+                await sglang.complete(client, "/hang", {})
+            assert slow.value.status_code is None
+            assert not isinstance(slow.value.__cause__, _NOT_SENT)
+            await asyncio.wait_for(srv.closed_by_client.wait(), 10)  # the server sees the client leave
+        finally:
+            await client.aclose()
+
+    run(go)
+
+
+def test_cancelling_a_request_closes_its_connection() -> None:
+    """The dispatcher cancels a prompt's task to hand it back: the server must see the client leave
+    (SGLang aborts a request whose client disconnected)."""
+
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
+        try:
+            task = asyncio.create_task(sglang.complete(client, "/hang", {}))
+            while not srv.requests:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(srv.closed_by_client.wait(), 10)
+        finally:
+            await client.aclose()
+
+    run(go)
+
+
+def test_connection_refused_is_retryable_and_known_as_never_sent() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+
+        async def go() -> None:
+            client = sglang.make_client(f"http://127.0.0.1:{port}", timeout_s=5, max_connections=4)
+            try:
+                with pytest.raises(RetryableError) as refused:
+                    await sglang.complete(client, "/ok", {})
+            finally:
+                await client.aclose()
+            assert refused.value.status_code is None
+            assert isinstance(refused.value.__cause__, _NOT_SENT)
+
+        asyncio.run(go())
+
+
+def test_control_plane_requests_still_go_through_httpx() -> None:
+    async def go(srv: RawServer) -> None:
+        async with sglang.make_client(srv.url, api_key="k", timeout_s=30, max_connections=4) as client:
+            resp = await client.post("/ok", content=b"{}")
+            assert resp.status_code == 200
+            await sglang.complete(client, "/ok", {})
+        assert srv.requests[0]["authorization"] == "Bearer k"
+        assert srv.requests[0]["user-agent"].startswith("python-httpx")
+        assert not srv.requests[1]["user-agent"].startswith("python-httpx")
+
+    run(go)

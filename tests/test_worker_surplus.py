@@ -1,0 +1,126 @@
+"""The surplus a worker keeps waiting inside its server (issue 11 §4): sized from turnover, on top of
+the capacity, never when the configuration caps below the server, and handed back untouched on a
+drain. Real Redis; the server is an in-process backend with a capacity and a FIFO queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+from rq import Queue
+
+from batchfleet.config import Config
+from batchfleet.keys import Keys
+from batchfleet.records import Prompt, job_id_for
+from worker.dispatcher import Dispatcher
+from worker.ledger import Ledger
+from worker.slots import Turnover, surplus_cap
+
+from .test_worker_dispatch import enqueue, results
+
+
+def test_turnover_sizes_the_surplus_from_bursts_of_finishes_within_a_round_trip() -> None:
+    t = Turnover()
+    assert t.surplus(0.0, 8) == 1  # nothing seen yet: one
+    t.refilled(0.005)  # round trip = 2 x 5 ms
+    for step in range(20):  # a decode step every 30 ms ends 5 requests at once
+        for _ in range(5):
+            t.finished(1.0 + step * 0.03)
+    assert t.surplus(1.6, 8) == 6
+    assert t.surplus(1.6, 4) == 4  # never past the cap
+    assert t.surplus(30.0, 8) == 1  # forgotten after the horizon
+
+
+def test_surplus_cap() -> None:
+    assert surplus_cap(12, None) == 6 and surplus_cap(3, None) == 1 and surplus_cap(0, None) == 0
+    assert surplus_cap(12, 5) == 5 and surplus_cap(4, 9) == 4 and surplus_cap(12, 0) == 0
+
+
+class QueueingServer:
+    """Runs at most `cap` prompts at once; the rest wait in its FIFO queue. A running prompt finishes
+    when `finish` is set; a waiting one that is cancelled (its client left) never runs."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.sem = asyncio.Semaphore(cap)
+        self.finish = asyncio.Event()
+        self.waiting: list[str] = []
+        self.ran: list[str] = []
+        self.peak_in = 0
+        self.inside = 0
+
+    async def __call__(self, prompt: Prompt) -> dict:
+        self.inside += 1
+        self.peak_in = max(self.peak_in, self.inside)
+        self.waiting.append(prompt.cid)
+        try:
+            async with self.sem:
+                self.waiting.remove(prompt.cid)
+                self.ran.append(prompt.cid)
+                await self.finish.wait()
+                return {"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}}
+        finally:
+            self.inside -= 1
+            if prompt.cid in self.waiting:
+                self.waiting.remove(prompt.cid)
+
+
+def test_a_drain_hands_the_surplus_back_untouched_and_lets_the_running_finish(r, redis_url) -> None:
+    enqueue(r, 10)
+    k = Keys("t")
+
+    async def go() -> tuple[Dispatcher, QueueingServer, int]:
+        client = aioredis.from_url(redis_url)
+        ledger = Ledger(client, k, worker="w", lease_ttl_s=15)
+        server = QueueingServer(cap=4)
+        d = Dispatcher(ledger, server, config=Config(run="t", surplus=2), worker="w", queues=lambda: ["gpu0"])
+        await d.set_capacity(4)
+        assert (d.capacity, d.surplus, d.slots.capacity) == (4, 2, 6)
+        d.accepting.set()
+        flusher = asyncio.create_task(ledger.run_flusher())
+        claiming = asyncio.create_task(d.run())
+        while server.inside < 6:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert server.inside == 6 and len(server.waiting) == 2  # never more than capacity + surplus
+        queued_in_server = list(server.waiting)
+        draining = asyncio.create_task(d.drain(30))
+        while d.handed_back < 2:
+            await asyncio.sleep(0.01)
+        server.finish.set()  # the four running ones finish within the grace
+        handed = await draining
+        claiming.cancel()
+        await asyncio.gather(claiming, return_exceptions=True)
+        ledger.close()
+        await flusher
+        await client.aclose()
+        assert sorted(queued_in_server) == sorted(c for c in (f"c{i}" for i in range(6)) if c not in server.ran)
+        return d, server, handed
+
+    d, server, handed = asyncio.run(asyncio.wait_for(go(), 60))
+    assert handed == 2 and d.done == 4 and server.peak_in == 6
+    assert sorted(results(r)) == sorted(server.ran) and len(server.ran) == 4
+    # The surplus is back at the front of its queue, untouched: queued, no strike, no result.
+    back = [c for c in (f"c{i}" for i in range(6)) if c not in server.ran]
+    queue = Queue("gpu0", connection=r).get_job_ids()
+    assert sorted(queue[:2]) == sorted(job_id_for("t", c) for c in back) and len(queue) == 6
+    for c in back:
+        jid = job_id_for("t", c)
+        assert r.hget(Keys.job(jid), "status") == b"queued"
+        assert not r.hexists(k.strikes, jid)
+    assert int(r.hget(k.stats, "handed_back")) == 2
+
+
+def test_no_surplus_under_a_configured_cap_or_when_switched_off(r, redis_url) -> None:
+    async def go() -> list[tuple[int, int, int]]:
+        client = aioredis.from_url(redis_url)
+        ledger = Ledger(client, Keys("t"), worker="w", lease_ttl_s=15)
+        out = []
+        for config, cap in ((Config(run="t"), None), (Config(run="t", surplus=0), None), (Config(run="t"), 5)):
+            d = Dispatcher(ledger, QueueingServer(12), config=config, worker="w", queues=lambda: ["gpu0"])
+            await d.set_capacity(12, max_in_flight=cap)
+            out.append((d.capacity, d.surplus, d.slots.capacity))
+        await client.aclose()
+        return out
+
+    assert asyncio.run(go()) == [(12, 1, 13), (12, 0, 12), (5, 0, 5)]

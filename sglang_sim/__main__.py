@@ -9,7 +9,7 @@ def main() -> int:
     except ModuleNotFoundError as exc:
         if exc.name != "aiohttp":
             raise
-        print("sglang_sim: the simulator needs aiohttp, which is not installed: pip install aiohttp (a core dependency of batchfleet)",
+        print("sglang_sim: the simulator needs aiohttp, which is not installed: reinstall batchfleet",
               file=sys.stderr)
         return 2
     return launch()

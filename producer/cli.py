@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sqlite3
 import sys
 from pathlib import Path
@@ -246,20 +247,29 @@ def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit:
     problem = input_problem(args.file)
     if problem:
         raise UsageError(problem)
+    # Ctrl-C may also surface as a read error of the input (a pipe torn down by the same Ctrl-C): it is
+    # still an interruption, said as one.
+    sigint: list[int] = []
+
+    def on_sigint(signum: int, frame: object) -> None:
+        sigint.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         done = api.enqueue(config, r, args.file, queues=queues, explicit=explicit, defaults=defaults,
                            model=args.model or config.model_path or "default", rejects_path=args.rejects,
                            progress=not args.no_progress)
     except KeyboardInterrupt:
-        stored = _stored(config, r, explicit)
-        print(f"producer: interrupted: the store of run {config.run} holds {stored} prompt(s) (the lines read so far "
-              "and any from earlier); run the same command again to resume: stored lines are skipped, none runs "
-              "twice", file=sys.stderr)
-        return 130
+        return _interrupted(config, r, explicit)
     except MissingExtra as exc:
         raise UsageError(str(exc)) from None
     except (OSError, EOFError) as exc:  # a corrupt .gz/.zst, a read error
+        if sigint:
+            return _interrupted(config, r, explicit)
         raise UsageError(f"{args.file}: cannot read: {exc}") from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
     done.store.close()
     s, fed = done.summary, done.fed
     rate = s.lines / s.seconds if s.seconds else 0.0
@@ -275,6 +285,14 @@ def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit:
         print(f"rejected lines are in {s.rejects_path}", file=sys.stderr)
         return 1
     return 0
+
+
+def _interrupted(config: Config, r: redis.Redis, explicit: bool) -> int:
+    stored = _stored(config, r, explicit)
+    print(f"producer: interrupted: the store of run {config.run} holds {stored} prompt(s) (the lines read so far "
+          "and any from earlier); run the same command again to resume: stored lines are skipped, none runs "
+          "twice", file=sys.stderr)
+    return 130
 
 
 def _stored(config: Config, r: redis.Redis, explicit: bool) -> str:

@@ -143,7 +143,7 @@ def test_ctrl_c_of_enqueue_says_what_is_stored_and_that_rerunning_resumes(redis_
     assert b"stdin:1: not JSON" in p.stderr.readline()
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 130
+    assert p.returncode == 130, err
     assert b"interrupted: the store of run ctrlc holds 0 prompt(s)" in err
     assert b"run the same command again to resume" in err and b"Traceback" not in err
 

@@ -231,7 +231,7 @@ def test_a_host_whose_clock_is_five_minutes_behind(lan):
     # The head counts hostb's worker as alive: its record is fresh by Redis's TTL, whatever its `ts`.
     lan.wait_for(lambda: lan.finished() >= 10, 60, "the run under way")
     st = orjson.loads(lan.producer("status", "--json").stdout)
-    assert st["workers"] == {"fresh": 2, "known": 2}
+    assert st["workers"] == {"fresh": 2, "known": 2, "not_serving": []}
     lan.wait_for(lambda: lan.finished() >= 120, 180, "the run")
     for h in (a, b):
         assert set(h.stop_all().values()) == {0}
@@ -304,3 +304,39 @@ def test_the_readme_multihost_recipe_as_written(tmp_path):
         assert "batchfleet_gpu_effective_max" in metrics.stdout, metrics.stderr
     finally:
         lan.close()
+
+
+def test_the_autopilot_canaries_and_rolls_out_across_hosts(lan):
+    """Issue 12: one supervisor on the head, GPUs on two hosts (the same GPU index and port on each).
+    The canary is one host's GPU, the rollout reaches the other host's, by queue (`<host>.gpuN`)."""
+    env = {"SGLANG_SIM_TIME_SCALE": "5", "BATCHFLEET_SHUTDOWN_GRACE_S": "1"}  # tiny-hybrid: 12 -> 22 slots
+    hosts = [lan.add_host("hosta", env=env), lan.add_host("hostb", env=env)]
+    for h in hosts:
+        h.start_worker(0)
+    queues = ["hosta.gpu0", "hostb.gpu0"]
+    lan.wait_for(lambda: sorted(lan.serving()) == queues, 90, "a worker serving on each host")
+    lan.start_collector()
+    lan.start_supervisor("--window", "2", "--windows", "3", "--sample", "0.5", "--restart-cost", "1",
+                         "--verify-windows", "2", "--rollout-batch", "1", "--keep-prefix-cache")
+    rows = write_prompts(lan.tmp / "head" / "prompts.jsonl", 900, max_tokens=500)  # enough that a restart pays
+    lan.producer("enqueue", "prompts.jsonl", "--queues", "live")
+
+    def kinds() -> list[str]:
+        return [e.kind for e in lan.events()]
+
+    lan.wait_for(lambda: "rolled_out" in kinds() or "rollback" in kinds(), 180, "the rollout across hosts")
+    lan.wait_for(lambda: lan.finished() >= len(rows), 360, "the run")
+    events = lan.events()
+    canary = next(e for e in events if e.kind == "canary")
+    restarted = {e.data.get("queue") for e in events if e.kind == "restarted"}
+    statuses = lan.serving()
+    lan.stop_head()
+    for h in hosts:
+        h.stop_all()
+    assert "rollback" not in kinds(), lan.head_log("supervisor")[-3000:]
+    assert canary.data["canary"] in queues, canary  # one host's GPU, named by its queue
+    assert restarted == set(queues)  # each host's GPU restarted once on the new spec, by its queue
+    assert {(s.host, s.strategy, s.effective_max) for s in statuses.values()} == \
+        {("hosta", "no_buffer", 22), ("hostb", "no_buffer", 22)}
+    assert lan.r.hkeys(lan.k.control) == [b"fleet"], "a stale override stayed behind"
+    assert_exact(lan, rows, export_lines(lan))

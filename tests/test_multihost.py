@@ -107,7 +107,8 @@ def dropped_late(logs: str) -> int:
 
 
 def test_partitioned_host_loses_its_prompts_to_the_others_and_rejoins(lan):
-    a, b = lan.add_host("hosta"), lan.add_host("hostb")
+    slow = {"SGLANG_SIM_TIME_SCALE": "5"}  # the run must outlast the checks, on a loaded box too
+    a, b = lan.add_host("hosta", env=slow), lan.add_host("hostb", env=slow)
     hosts = (a, b)
     for h in hosts:
         for gpu in (0, 1):
@@ -155,7 +156,8 @@ def test_partitioned_host_loses_its_prompts_to_the_others_and_rejoins(lan):
 
 
 def test_a_whole_host_lost_the_rest_finish_the_run(lan):
-    a, b = lan.add_host("hosta"), lan.add_host("hostb")
+    slow = {"SGLANG_SIM_TIME_SCALE": "5"}  # the run must outlast the checks, on a loaded box too
+    a, b = lan.add_host("hosta", env=slow), lan.add_host("hostb", env=slow)
     for h in (a, b):
         for gpu in (0, 1):
             h.start_worker(gpu)
@@ -199,7 +201,8 @@ def test_a_host_joining_mid_run_takes_work_at_once(lan):
     for gpu in (0, 1):
         b.start_worker(gpu)
     serving_s = lan.wait_for(lambda: {b.queue(0), b.queue(1)} <= set(lan.serving()), 90, "hostb serving")
-    backlog = lan.r.llen("rq:queue:hosta.gpu0") + lan.r.llen("rq:queue:hosta.gpu1")
+    # What was still to run when hostb came (in hosta's queues, or in the store for the head to feed).
+    backlog = 400 - lan.finished() - sum(s.in_flight for s in lan.serving().values())
     assert backlog > 60, "the run ended before hostb joined: the test proves nothing"
     first_s = lan.wait_for(lambda: b.served(0) > 0 and b.served(1) > 0, 30, "hostb's GPUs to take work")
     lan.wait_for(lambda: lan.finished() >= 400, 180, "the run")

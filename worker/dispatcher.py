@@ -197,6 +197,7 @@ class Dispatcher:
                 redis_wait_s = min(redis_wait_s * 2, 10.0)
                 continue
             redis_wait_s = 0.5
+            LINK.ok()  # says "Redis is back" once after an outage
             if self.cancelled and claims:  # the run was cancelled while the claim was on its way
                 self.slots.release(took)
                 with contextlib.suppress(redis.RedisError, OSError):

@@ -441,6 +441,7 @@ class Ledger:
             self._wake.clear()
             try:
                 await self.flush()
+                LINK.ok()
             except (redis.RedisError, OSError) as exc:  # Redis away: keep the outcomes and retry
                 LINK.lost(f"writing {len(self._pending)} outcome(s)", exc)
                 await asyncio.sleep(1.0)

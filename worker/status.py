@@ -77,6 +77,7 @@ class StatusReporter:
                     self.metrics = await scrape_metrics(client)
                     self.meter.note_counter(self.metrics.generation_tokens_total)
                 await self.publisher.publish()
+                LINK.ok()
                 await asyncio.to_thread(self.rq_heartbeat)
             except (redis.RedisError, OSError) as exc:
                 LINK.lost("publishing the status record", exc)

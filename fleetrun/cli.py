@@ -40,6 +40,7 @@ from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.records import Event
+from batchfleet.redact import private_dir, private_file
 from producer import api
 from producer.collect import collect_once
 from producer.export import ExportError, check_target, export
@@ -204,7 +205,7 @@ class Procs:
     others: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with (self.logs / f"{name}.log").open("ab") as log:
+        with private_file(self.logs / f"{name}.log") as log:  # 0600: logs may quote prompts
             # a session of its own: the terminal's Ctrl-C reaches only us, and we drain in order
             return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
@@ -351,7 +352,7 @@ def _work(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys:
 def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, store: Store,
                r: redis.Redis, screen: Screen, stop: list[bool], force: list[bool]) -> int:
     logs = config.state_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    private_dir(logs)  # 0700
     env = _env(config, config.redis_url, config.run)
     procs = Procs(logs)
     events = Events(r, keys)

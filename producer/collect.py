@@ -7,7 +7,7 @@ forged entry, another run's result, an unreadable record) is counted, said, and 
 holds only the run's own prompts. Each batch is stored in one write transaction (success wins over
 failure; the prompt becomes DONE) and only after COMMIT are the entries and job ids removed from
 Redis. A crash in between stores the same results again next time, which changes nothing. The job of
-a collected failure is then trimmed to a stub (`ends.trim_failed`): the store holds its prompt.
+a collected failure is then trimmed to a stub (`trim.trim_failed`): the store holds its prompt.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import redis
 from batchfleet.keys import Keys
 from batchfleet.records import RecordError, Result, job_id_for
 
-from .ends import trim_failed
 from .store import Store
+from .trim import trim_failed
 
 __all__ = ["CollectSummary", "collect_once", "redis_time_s"]
 

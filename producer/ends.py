@@ -49,7 +49,6 @@ import redis
 
 from batchfleet.config import Config
 from batchfleet.connection import redacted
-from batchfleet.jobs import GENERATE
 from batchfleet.keys import (
     RQ_FAILED_PREFIX,
     RQ_JOB_PREFIX,
@@ -59,17 +58,17 @@ from batchfleet.keys import (
     RQ_STARTED_PREFIX,
     RQ_WORKER_PREFIX,
     RQ_WORKERS,
-    TRIMMED,
     Keys,
     valid_queue_name,
 )
 from batchfleet.marker import FINISHED, read_marker
 from batchfleet.records import RecordError, WorkerStatus, job_id_for
 
+from .collect import collect_once
 from .store import State, Store
 
 __all__ = ["CANCELLED", "CancelSummary", "PurgeRefused", "PurgeSummary", "cancel", "cancelled_line",
-           "expire_finished", "live_workers", "mark_ended", "purge", "refeed", "run_cancel", "run_purge", "trim_failed"]
+           "expire_finished", "live_workers", "mark_ended", "purge", "refeed", "run_cancel", "run_purge"]
 
 CANCELLED = "cancelled"  # the export's error code of a cancelled prompt
 PAGE = 1000
@@ -166,22 +165,6 @@ return n
 
 # Trim failed jobs whose result is collected. KEYS = done, <job key>...; ARGV = len(job prefix), stub...
 # (parallel to the job keys) -> bytes freed
-TRIM_LUA = """
-local plen, freed = tonumber(ARGV[1]), 0
-for i = 2, #KEYS do
-  local jid = string.sub(KEYS[i], plen + 1)
-  local stub = ARGV[i]
-  if redis.call('SISMEMBER', KEYS[1], jid) == 0 and redis.call('HGET', KEYS[i], 'status') == 'failed'
-      and redis.call('HEXISTS', KEYS[i], 'trimmed') == 0 then
-    local size = redis.call('HSTRLEN', KEYS[i], 'data')
-    if size > string.len(stub) then
-      redis.call('HSET', KEYS[i], 'data', stub, 'trimmed', size)
-      freed = freed + size - string.len(stub)
-    end
-  end
-end
-return freed
-"""
 
 
 def cancelled_line(run: str, cid: str, at: float) -> bytes:
@@ -260,7 +243,6 @@ def cancel(r: redis.Redis, store: Store, keys: Keys, *, wait_s: float = 30.0, po
         fed = [cid for _, cid in store.db.execute("SELECT seq, cid FROM prompts WHERE state = 1").fetchall()]
     removed: dict[str, int] = {}
     _remove_jobs(r, keys, [*(cid for _, cid in first), *fed], removed)
-    from .collect import collect_once  # collect trims failed jobs with this module's helpers
 
     got = collect_once(r, store, keys)
     out.collected = got.stored
@@ -420,25 +402,6 @@ def _exists(r: redis.Redis, names: list[str]) -> list[int]:
 
 
 # --- failed jobs ------------------------------------------------------------------------------------
-def trimmed_data(run: str, cid: str, seq: int) -> bytes:
-    """A failed job's `data` once its result is collected: enough to feed the prompt again from the
-    store (`rq requeue`), not the prompt. Ends like every job of the run (see `_run_suffix`)."""
-    return orjson.dumps([GENERATE, None, [{"cid": cid, "seq": seq, TRIMMED: True, "run": run}], {}])
-
-
-def trim_failed(r: redis.Redis, keys: Keys, failed: list[tuple[str, int]]) -> int:
-    """Trim the jobs of these collected failures, (cid, seq) each. Returns the bytes freed."""
-    if not failed:
-        return 0
-    script = r.register_script(TRIM_LUA)
-    freed = 0
-    for i in range(0, len(failed), PAGE):
-        part = failed[i : i + PAGE]
-        freed += int(script(keys=[keys.done, *(Keys.job(job_id_for(keys.run, cid)) for cid, _ in part)],
-                            args=[len(RQ_JOB_PREFIX), *(trimmed_data(keys.run, cid, seq) for cid, seq in part)]))
-    return freed
-
-
 def refeed(r: redis.Redis, store: Store, keys: Keys) -> int:
     """Trimmed failed jobs brought back by `rq requeue` (workers list their custom_ids in `refeed`):
     their prompts go back to WAITING, and the next feed pass writes their jobs in full. Returns how many."""

@@ -1,0 +1,56 @@
+"""A failed prompt's job once its result is collected: trimmed to a stub (custom_id, seq, run).
+
+The store holds the prompt, so the failed job in RQ's registry needs only what feeds it again when
+`rq requeue` brings it back (a worker that claims a trimmed job hands its custom_id to the head through
+`Keys.refeed`; see `producer.ends`). Used by the collector; its own module so that `collect` and
+`ends` do not import each other.
+"""
+
+from __future__ import annotations
+
+import orjson
+import redis
+
+from batchfleet.jobs import GENERATE
+from batchfleet.keys import RQ_JOB_PREFIX, TRIMMED, Keys
+from batchfleet.records import job_id_for
+
+__all__ = ["TRIM_LUA", "trim_failed", "trimmed_data"]
+
+PAGE = 1000  # jobs per Lua call
+
+TRIM_LUA = """
+local plen, freed = tonumber(ARGV[1]), 0
+for i = 2, #KEYS do
+  local jid = string.sub(KEYS[i], plen + 1)
+  local stub = ARGV[i]
+  if redis.call('SISMEMBER', KEYS[1], jid) == 0 and redis.call('HGET', KEYS[i], 'status') == 'failed'
+      and redis.call('HEXISTS', KEYS[i], 'trimmed') == 0 then
+    local size = redis.call('HSTRLEN', KEYS[i], 'data')
+    if size > string.len(stub) then
+      redis.call('HSET', KEYS[i], 'data', stub, 'trimmed', size)
+      freed = freed + size - string.len(stub)
+    end
+  end
+end
+return freed
+"""
+
+
+def trimmed_data(run: str, cid: str, seq: int) -> bytes:
+    """A failed job's `data` once its result is collected: enough to feed the prompt again from the
+    store (`rq requeue`), not the prompt. Ends like every job of the run (see `_run_suffix`)."""
+    return orjson.dumps([GENERATE, None, [{"cid": cid, "seq": seq, TRIMMED: True, "run": run}], {}])
+
+
+def trim_failed(r: redis.Redis, keys: Keys, failed: list[tuple[str, int]]) -> int:
+    """Trim the jobs of these collected failures, (cid, seq) each. Returns the bytes freed."""
+    if not failed:
+        return 0
+    script = r.register_script(TRIM_LUA)
+    freed = 0
+    for i in range(0, len(failed), PAGE):
+        part = failed[i : i + PAGE]
+        freed += int(script(keys=[keys.done, *(Keys.job(job_id_for(keys.run, cid)) for cid, _ in part)],
+                            args=[len(RQ_JOB_PREFIX), *(trimmed_data(keys.run, cid, seq) for cid, seq in part)]))
+    return freed

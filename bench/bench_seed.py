@@ -76,13 +76,17 @@ class SupervisorProc:
     def events(self, kind: str | None = None) -> list[Event]:
         return [e for e in self.events_of(self.fleet) if kind is None or e.kind == kind]
 
-    def wait_event(self, kind: str, timeout_s: float) -> Event:
+    def wait_event(self, kind: str, timeout_s: float, *, match: str = "") -> Event:
+        """The first event of `kind` whose message holds `match` (a decision may first say why it waits)."""
+        def hits() -> list[Event]:
+            return [e for e in self.events(kind) if match in e.message]
+
         def found() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"supervisor exited {self.proc.returncode}:\n{self.output()[-3000:]}")
-            return bool(self.events(kind))
+            return bool(hits())
         self.fleet.wait_for(found, timeout_s, f"a {kind!r} event; supervisor said:\n{self.output()[-3000:]}")
-        return self.events(kind)[0]
+        return hits()[0]
 
 
 def seed_env(time_scale: float) -> dict[str, str]:

@@ -81,7 +81,7 @@ def test_the_supervisor_rides_out_a_redis_outage_and_keeps_its_state(tmp_path):
     try:
         with FakeWorkers(server.url, k):
             sup = SupervisorProc(fleet, "--window", "1", "--sample", "0.5", "--restart-cost", "1")
-            sup.wait_event("decision", 30)  # it starts a canary on gpu0
+            sup.wait_event("decision", 30, match="canary")  # it starts a canary on gpu0
             fleet.wait_for(lambda: fleet.r.hexists(k.control, Keys.control_queue("gpu0")), 10, "the canary override")
             canary_spec = fleet.r.hget(k.control, Keys.control_queue("gpu0"))
             server.stop()

@@ -7,11 +7,15 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
+
+if TYPE_CHECKING:
+    from .fleet import Fleet
 
 
 def free_port() -> int:
@@ -85,3 +89,20 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture
 def r(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture
+def fleets(tmp_path: Path, redis_url: str) -> Iterator[Callable[..., Fleet]]:
+    """Make fleets (tests/fleet.py) whose processes are all killed when the test ends, pass or fail."""
+    from .fleet import Fleet  # tests/fleet.py imports this module
+
+    made: list[Fleet] = []
+
+    def make(**kw: object) -> Fleet:
+        fleet = Fleet(tmp_path, redis_url, **kw)  # type: ignore[arg-type]
+        made.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in made:
+        fleet.kill_all()

@@ -141,11 +141,12 @@ class Fleet:
         return codes
 
     def kill_all(self) -> None:
-        """Finalizer: no process of this fleet outlives its test (their servers die with them)."""
-        for p in self.procs:
+        """Finalizer: no process of this fleet (workers, head) outlives its test (servers die with them)."""
+        procs = [*self.procs, *([self.head] if self.head is not None else [])]
+        for p in procs:
             if p.poll() is None:
                 p.kill()
-        for p in self.procs:
+        for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(10)
 

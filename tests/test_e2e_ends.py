@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -26,23 +26,6 @@ from .fleet import BIN, ROOT, Fleet, write_prompts
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture
-def fleets(tmp_path: Path, redis_url: str) -> Iterator[Callable[..., Fleet]]:
-    """Fleets whose processes (workers, head) are all killed when the test ends, pass or fail."""
-    made: list[Fleet] = []
-
-    def make(**kw: object) -> Fleet:
-        fleet = Fleet(tmp_path, redis_url, **kw)  # type: ignore[arg-type]
-        made.append(fleet)
-        return fleet
-
-    yield make
-    for fleet in made:
-        fleet.kill_all()
-        if fleet.head is not None and fleet.head.poll() is None:
-            fleet.head.kill()
-            fleet.head.wait(10)
 
 
 def observed(fleet: Fleet, gpu: int) -> dict:

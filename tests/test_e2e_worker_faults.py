@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -27,19 +27,6 @@ from .fleet import BIN, Fleet, expected_text, text_of, write_prompts
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def fleets(tmp_path: Path, redis_url: str) -> Iterator[Callable[..., Fleet]]:
-    """Make fleets whose processes are all killed when the test ends, pass or fail."""
-    made: list[Fleet] = []
-
-    def make(**kw: object) -> Fleet:
-        fleet = Fleet(tmp_path, redis_url, **kw)  # type: ignore[arg-type]
-        made.append(fleet)
-        return fleet
-
-    yield make
-    for fleet in made:
-        fleet.kill_all()
 
 
 def read_export(path: Path) -> list[dict]:

@@ -206,6 +206,42 @@ def test_honcho_runs_the_shipped_procfile_through_a_redis_restart(tmp_path: Path
     assert "stopped (rc=" not in text.split("SIGTERM received")[0], text[-3000:]  # nothing exited by itself
 
 
+def test_rq_commands_reach_a_worker_after_a_redis_restart_and_the_outage_is_two_lines(
+        tmp_path: Path, private_redis, fleets: list[Fleet]) -> None:
+    # RQ's pubsub thread (how `rq`'s shutdown command reaches a worker) lives through a Redis restart,
+    # quietly: the worker's one "lost" line and one "back" line are all the outage prints.
+    from rq.command import send_shutdown_command
+
+    server = private_redis("--appendonly", "yes", "--appendfsync", "always")
+    fleet = Fleet(tmp_path, server.url, gpus=1, env={"SGLANG_SIM_TIME_SCALE": "3",
+                                                     "BATCHFLEET_SHUTDOWN_GRACE_S": "0.5"})
+    fleets.append(fleet)
+    rows = write_prompts(tmp_path / "prompts.jsonl", 36, max_tokens=400)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    proc = fleet.start_worker(0)
+    fleet.wait_for(lambda: fleet.r.zcard(fleet.k.leases) >= 5, 60, "prompts in flight")
+    (name,) = [s.worker for s in fleet.statuses()]
+    channel = f"rq:pubsub:{name}"
+    server.stop()
+    time.sleep(8)
+    server.start()
+    fleet.r = redis.Redis.from_url(server.url)
+    fleet.wait_for(lambda: "is back after" in fleet.worker_log(0), 60, "the worker back on Redis")
+    fleet.wait_for(lambda: dict(fleet.r.pubsub_numsub(channel)).get(channel.encode()) == 1, 30,
+                   "the worker listening for RQ's commands again")
+    assert proc.poll() is None
+    send_shutdown_command(fleet.r, name)
+    assert proc.wait(60) == 75
+    log = fleet.worker_log(0)
+    assert log.count("lost Redis at") == 1 and log.count("is back after") == 1, log[-3000:]
+    assert "could not connect to Redis" not in log and "pubsub thread exiting" not in log, log[-3000:]
+
+    fleet.start_worker(0)
+    export_exactly(fleet, rows)
+    assert fleet.stop_all() == {0: 0}
+    assert fleet.stats()["succeeded"] == 36
+
+
 def test_a_stock_rq_worker_eats_jobs_status_names_them_recover_runs_them(tmp_path: Path, redis_url: str,
                                                                           fleets: list[Fleet]) -> None:
     fleet = Fleet(tmp_path, redis_url, gpus=1)

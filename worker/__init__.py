@@ -18,9 +18,11 @@ import logging
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 import orjson
+import redis
 from rq.worker import BaseWorker
 
 from batchfleet.config import Config, gpu_index_for_queue, queue_host
@@ -107,6 +109,22 @@ class GPUWorker(BaseWorker):
             return await self._service.run(burst=burst)
         finally:
             await client.aclose()
+
+    def _pubsub_exception_handler(self, exc: Exception, pubsub: Any, pubsub_thread: Any) -> None:
+        """RQ's pubsub thread (its commands, e.g. `shutdown`) lives through any Redis outage, quietly.
+
+        RQ's own handler logs an error every 2 s while Redis is down (30 lines a minute, where the
+        worker promises one line when it loses Redis and one when it is back: `redislink`, on the main
+        loop), and lets the thread die on a timeout (a partition: the connection has timeouts, see
+        `with_timeouts`), after which no command reaches the worker. Here any Redis or socket error is
+        waited out (redis-py subscribes again when it reconnects); anything else ends the thread
+        loudly, as in RQ."""
+        if isinstance(exc, redis.RedisError | OSError):
+            log.debug("RQ pubsub thread: %s; retrying in 2 s", exc)
+            time.sleep(2.0)
+            return
+        log.warning("RQ pubsub thread exiting on %s: RQ's commands no longer reach this worker", exc)
+        raise exc
 
     def handle_payload(self, message: Any) -> None:
         """RQ's pubsub commands (on RQ's pubsub thread). The message is data: anything unreadable is

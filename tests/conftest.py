@@ -3,6 +3,7 @@ and restart it without touching the machine's own Redis), flushed before each te
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -18,10 +19,50 @@ if TYPE_CHECKING:
     from .fleet import Fleet
 
 
+# Ports the tests listen on come from below the kernel's ephemeral range (net.ipv4.ip_local_port_range,
+# 32768-60999 by default), never from `bind(0)`: a port of that range can be taken as the local port of
+# any outgoing connection on the machine while its server is down (a Redis a test restarts, an SGLang
+# server its worker restarts on a new spec), and the restart then fails with "address already in use"
+# for as long as that connection lives (seen: a minute, under a rollout). 30000-30099 is left to the
+# product's default BATCHFLEET_PORT_BASE (a `make demo` on the same machine).
+_handed_out: set[int] = set()
+_rng = random.Random()  # seeded from os.urandom: two test sessions on one machine pick apart
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:  # no SO_REUSEADDR: a port still in TIME_WAIT counts as taken
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(n: int = 1) -> int:
+    """The first of `n` consecutive free ports below the ephemeral range, not handed out before in this
+    session."""
+    high = min(_ephemeral_low(), 60000)
+    low = 10000 if high > 12000 else 1024
+    for _ in range(2000):
+        base = _rng.randrange(low, high - n)
+        block = range(base, base + n)
+        if any(p in _handed_out or 30000 <= p < 30100 for p in block):
+            continue
+        if all(_bindable(p) for p in block):
+            _handed_out.update(block)
+            return base
+    raise RuntimeError(f"no {n} free consecutive ports in {low}-{high}")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_block(1)
 
 
 class RedisServer:

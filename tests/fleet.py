@@ -21,27 +21,10 @@ import redis
 from batchfleet.keys import Keys
 from batchfleet.records import Event, WorkerStatus
 
-from .conftest import free_port
+from .conftest import free_port_block
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port_block(n: int) -> int:
-    import socket
-
-    for _ in range(100):
-        base = free_port()
-        ok = True
-        for i in range(n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", base + i))
-                except OSError:
-                    ok = False
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
 
 
 class Fleet:

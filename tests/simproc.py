@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from typing import Any
 
 import httpx
 
+from .conftest import free_port
+
 __all__ = ["BIN_DIR", "REPO", "SimProc", "free_port", "run_sim_cli", "sim_env", "start_sim"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,10 +32,6 @@ BIN_DIR = REPO / "sglang_sim" / "bin"
 SIM_CMD = [sys.executable, "-m", "sglang_sim"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sim_env(extra: dict[str, str] | None = None, *, gpu_dir: str | Path | None = None) -> dict[str, str]:

@@ -5,6 +5,7 @@ SGLANG_SIM_CRASH_MARKER=s   hard os._exit when a request whose prompt contains s
 SGLANG_SIM_HANG_AFTER=N     the scheduler stops after N admitted requests; HTTP stays up
 SGLANG_SIM_FAIL_STARTUP=oom die at start-up with the CUDA out-of-memory line
 SGLANG_SIM_ERROR_RATE=p     a seeded fraction p of generation requests get HTTP 500
+SGLANG_SIM_ERROR_MARKER=s   a generation request whose prompt contains s gets HTTP 500, every time
 SGLANG_SIM_FAULT_GPUS=1,3   only these GPU indices misbehave (default: all)
 """
 
@@ -28,6 +29,8 @@ class Faults:
     hang_after: int | None = None
     fail_startup: str | None = None
     error_rate: float = 0.0
+    error_marker: str | None = None  # whitespace-normalised, as crash_marker
+    error_marker_hits: int = 0  # requests refused for it (the record says how often each was tried)
     _rng: random.Random = field(default_factory=lambda: random.Random(12345))
 
     @classmethod
@@ -46,6 +49,7 @@ class Faults:
             hang_after=num("SGLANG_SIM_HANG_AFTER"),
             fail_startup=env.get("SGLANG_SIM_FAIL_STARTUP") or None,
             error_rate=float(env.get("SGLANG_SIM_ERROR_RATE") or 0.0),
+            error_marker=" ".join(env.get("SGLANG_SIM_ERROR_MARKER", "").split()) or None,
             _rng=random.Random(int(env.get("SGLANG_SIM_ERROR_SEED") or 12345)),
         )
 
@@ -66,6 +70,11 @@ class Faults:
         sys.stderr.flush()
         os._exit(1)  # no cleanup: sockets reset, GPU file left behind with a dead pid
 
-    def draw_error(self) -> bool:
-        """True when this generation request should fail with HTTP 500 (seeded, arrival order)."""
+    def draw_error(self, prompts: list[Any] | None = None) -> bool:
+        """True when this generation request should fail with HTTP 500: its prompt holds the error
+        marker (every time), or the seeded draw says so (arrival order)."""
+        if self.error_marker is not None and prompts and any(
+                isinstance(p, str) and self.error_marker in " ".join(p.split()) for p in prompts):
+            self.error_marker_hits += 1
+            return True
         return self.error_rate > 0 and self._rng.random() < self.error_rate

@@ -82,7 +82,7 @@ class OpenAIRoutes:
         base = body.get("rid") or uuid.uuid4().hex
         model = body.get("model") or srv.state.model_name
         try:
-            srv.check_generation_fault()
+            srv.check_generation_fault(prompts)
             reqs = [srv.make_request(p, params, rid=f"{base}" if len(prompts) * n == 1 else f"{base}_{i}_{j}",
                                      endpoint=endpoint, index=j, openai=True)
                     for i, p in enumerate(prompts) for j in range(n)]

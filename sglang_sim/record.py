@@ -60,6 +60,7 @@ class Recorder:
             "requests_by_endpoint": dict(self.requests_by_endpoint),
             "generation_tokens_total": e.metrics.generation_tokens if e else 0,
             "aborted_total": e.metrics.aborted if e else 0,
+            "error_marker_hits": e.faults.error_marker_hits if e else 0,
             # [seconds since start, running, queued] whenever the pair changed (sampled per tick)
             "max_running_seen_over_time": self.samples,
             # per rank, in model time: occupied slot-seconds, and [model s, slot-seconds] when it first ran

@@ -93,9 +93,9 @@ class SimServer:
                 self.engine.finish_abort(r, "The client disconnected.")
             raise
 
-    def check_generation_fault(self) -> None:
-        if self.engine.faults.draw_error():
-            raise RequestError(500, "Internal server error (SGLANG_SIM_ERROR_RATE).")
+    def check_generation_fault(self, prompts: list[Any] | None = None) -> None:
+        if self.engine.faults.draw_error(prompts):
+            raise RequestError(500, "Internal server error (SGLANG_SIM_ERROR_RATE / SGLANG_SIM_ERROR_MARKER).")
 
     def finish_reason(self, r: Request) -> dict[str, Any]:
         if r.state == "aborted":
@@ -141,7 +141,7 @@ class SimServer:
         rid = body.get("rid")
         self.recorder.count_request("/generate")
         try:
-            self.check_generation_fault()
+            self.check_generation_fault(prompts)
             reqs = []
             for i, prompt in enumerate(prompts):
                 for j in range(n):

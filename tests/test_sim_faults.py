@@ -102,6 +102,22 @@ def test_error_rate_is_seeded() -> None:
     assert 3 <= first.count(500) <= 18
 
 
+def test_error_marker_fails_its_prompt_every_time_and_only_it() -> None:
+    with start_sim(env={**FAST, "SGLANG_SIM_ERROR_MARKER": "BAD-7"}) as sim:
+        for _ in range(3):
+            bad = httpx.post(sim.url + "/v1/completions", json={"prompt": "x BAD-7 y", "max_tokens": 4}, timeout=10)
+            assert bad.status_code == 500
+        chat = httpx.post(sim.url + "/v1/chat/completions", timeout=10,
+                          json={"messages": [{"role": "user", "content": "a BAD-7"}], "max_tokens": 4})
+        assert chat.status_code == 500
+        ok = httpx.post(sim.url + "/v1/completions", json={"prompt": "harmless", "max_tokens": 4}, timeout=10)
+        assert ok.status_code == 200 and sim.proc.poll() is None
+        deadline = time.monotonic() + 10  # the record is rewritten every half second
+        while sim.record()["error_marker_hits"] != 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sim.record()["error_marker_hits"] == 4
+
+
 def test_fault_gpus_limits_faults() -> None:
     env = {**FAST, "SGLANG_SIM_ERROR_RATE": "1.0", "SGLANG_SIM_FAULT_GPUS": "1,3", "CUDA_VISIBLE_DEVICES": "2"}
     with start_sim(env=env) as sim:

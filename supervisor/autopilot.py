@@ -307,6 +307,12 @@ class Autopilot:
         learned = "measured" if st.restart_costs else "assumed"
         worth = (f"~{saved:,.0f} s saved of {eta:,.0f} s left vs restart cost {cost:,.1f} s ({learned}) "
                  f"x{self.s.worth_factor:g}")
+        if saved <= cost * self.s.worth_factor and report.eta_lower:
+            # A lower bound can show that a restart pays, never that it does not: wait for a finished prompt.
+            self._note("fleet", "eta-lower", "decision", f"stalled, {prop.target.describe()} would gain "
+                       f"x{prop.ratio:.2f}; the work left is at least ~{eta:,.0f} s (no prompt has finished yet, "
+                       "so tokens per prompt are not known): too early to tell whether a restart pays", seen=seen)
+            return
         if saved <= cost * self.s.worth_factor:
             self._note("fleet", "not-worth", "decision", f"stalled, {prop.target.describe()} would gain "
                        f"x{prop.ratio:.2f} but it is not worth a restart: {worth}", seen=seen)

@@ -165,6 +165,7 @@ class WindowReport:
     backlog: int  # prompts waiting in Redis at the end of the window
     eta_s: float | None
     hosts: dict[str, list[str]] = field(default_factory=dict)  # host -> why it stands out (as a host)
+    eta_lower: bool = False  # eta_s is only a lower bound (no prompt had finished): see FleetSnapshot.eta_s
 
     @property
     def serving(self) -> list[ServerView]:
@@ -394,4 +395,4 @@ def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = 
     gpu_flags, host_flags = _flag(views, th)
     views = [replace(v, outliers=gpu_flags.get(v.worker, [])) for v in views]
     return WindowReport(start=snapshots[0].ts, end=last.ts, servers=views, backlog=backlog, eta_s=last.eta_s(),
-                        hosts=host_flags)
+                        hosts=host_flags, eta_lower=last.eta_is_lower_bound)

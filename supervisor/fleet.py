@@ -70,6 +70,12 @@ class FleetSnapshot:
             per_prompt = generated / self.in_flight
         return remaining * per_prompt / self.tokens_per_s
 
+    @property
+    def eta_is_lower_bound(self) -> bool:
+        """True while no prompt has finished: `eta_s` then counts only the tokens generated so far."""
+        return not (self.stats.get("succeeded", 0) + self.stats.get("failed", 0)
+                    and self.stats.get("completion_tokens", 0))
+
     def to_dict(self) -> dict[str, Any]:
         return {"ts": self.ts, "tokens_per_s": round(self.tokens_per_s, 1), "in_flight": self.in_flight,
                 "backlog": self.backlog, "total_backlog": self.total_backlog, "eta_s": self.eta_s(),

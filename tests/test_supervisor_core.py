@@ -299,6 +299,22 @@ def test_not_worth_it_when_little_work_is_left():
     assert any("not worth a restart" in e.message and "(assumed)" in e.message for e in emitted(acts, "decision"))
 
 
+def test_a_lower_bound_eta_never_says_not_worth_it():
+    # While no prompt has finished, the ETA counts only the tokens generated so far: it can show that a
+    # restart pays, never that it does not (a loaded machine's first window saw "~2 s saved of 4 s left").
+    pilot = Autopilot(Settings(windows=2, restart_cost_s=10_000), LadderConfig())
+    acts = []
+    for i in range(3):
+        rep = replace(classify_window(stalled(i)), eta_lower=True)
+        acts += pilot.step(rep, control(), rep.end, ())
+    decisions = [e.message for e in emitted(acts, "decision")]
+    assert decisions and all("no prompt has finished yet" in m for m in decisions), decisions
+    assert not [a for a in acts if not isinstance(a, Emit)]
+    rep = classify_window(stalled(3))  # prompts have finished: now the same figures are judged
+    assert not rep.eta_lower
+    assert any("not worth a restart" in e.message for e in emitted(pilot.step(rep, control(), rep.end, ()), "decision"))
+
+
 @pytest.mark.parametrize("cls_kw", [{"in_flight": 8}, {"kv": 0.95}, {"mamba": 0.2}])
 def test_no_restart_unless_mamba_bound(cls_kw):
     pilot = Autopilot(Settings(windows=2, restart_cost_s=1), LadderConfig())

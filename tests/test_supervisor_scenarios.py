@@ -140,7 +140,14 @@ def test_a_mamba_capped_fleet_is_mamba_bound_every_window_short_or_long(tmp_path
                                                   "--restart-cost", "1", "--keep-prefix-cache"))
     try:
         advice = sup.wait_event("advice", 60)
-        assert advice.data["windows"] == 1 and advice.data["evidence"] == "start-up facts", sup.output()
+        # After one window on start-up facts (no "stall ... window 1 of N" asked for more), unless the work
+        # left could not be judged yet: no prompt had finished (a slow, loaded machine), and it said so.
+        before = [e for e in sup.events() if e.ts < advice.ts]
+        waited = [e for e in before if e.kind == "decision" and ("no prompt has finished yet" in e.message
+                                                                 or "cannot be estimated" in e.message)]
+        assert advice.data["evidence"] == "start-up facts", sup.output()
+        assert not [e for e in before if e.kind == "stall" or "not worth" in e.message], sup.output()
+        assert advice.data["windows"] == 1 or waited, sup.output()
         first = len(fleet.r.xrange(fleet.k.history))  # samples from here on carry the classes of a window
         fleet.wait_for(lambda: len(fleet.r.xrange(fleet.k.history)) >= first + 5 * 6, 60, "5 more windows")
         assert fleet.finished() < prompts, "the run drained during the observation: add prompts"

@@ -119,9 +119,14 @@ class Store:
             fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
             os.close(fd)
         db = cls._connect(path, readonly=False)
-        db.executescript(_SCHEMA)  # idempotent: two processes may both get here
+        # One transaction makes the tables and the meta rows: a reader (the head, started before the
+        # first enqueue) sees either no table at all (`open`: still being created) or a whole store,
+        # never tables with an empty meta. Idempotent: two processes may both get here.
         db.execute("BEGIN IMMEDIATE")
         try:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
             if db.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == 0:
                 db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [
                     ("schema", SCHEMA_VERSION), ("store_id", uuid.uuid4().hex), ("run", run),
@@ -142,10 +147,13 @@ class Store:
             raise MissingStore(f"no store at {path}")
         try:
             db = cls._connect(path, readonly=readonly)
-            has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone()
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.Error as exc:
             raise StoreError(f"{path} is not a batchfleet store ({exc})") from None
-        if not has_meta:
+        if not tables:  # an empty file: `create_or_open` has not committed its first transaction yet
+            db.close()
+            raise MissingStore(f"the store at {path} is still being created (producer enqueue)")
+        if "meta" not in tables:
             db.close()
             raise StoreError(f"{path} is not a batchfleet store of this version (no meta table)")
         store = cls(db, path, readonly=readonly)

@@ -50,6 +50,40 @@ def test_opening_never_creates(tmp_path: Path) -> None:
     ro.close()
 
 
+def test_a_store_being_created_is_missing_never_another_version(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head starts before the first enqueue (the Procfile's order) and polls the store's path. Before
+    each statement `create_or_open` runs, another connection opens the store as the head does: it must
+    see no store yet (MissingStore: the head waits) or the whole store, never a half-made one. A CI run
+    met "made by another version (store layout 1)" here: the tables were committed before the meta rows,
+    and the head exited 2."""
+    path = tmp_path / "state" / "r.sqlite"
+    seen: list[str] = []
+    connect = Store._connect
+
+    def peek(statement: str) -> None:
+        try:
+            Store.open(path, run="r", readonly=True).close()
+            seen.append("whole")
+        except MissingStore:
+            seen.append("missing")
+        except StoreError as exc:
+            seen.append(f"refused: {exc}")
+
+    def traced(p: Path, *, readonly: bool) -> sqlite3.Connection:
+        db = connect(p, readonly=readonly)
+        if not readonly:
+            db.set_trace_callback(peek)
+        return db
+
+    monkeypatch.setattr(Store, "_connect", staticmethod(traced))
+    Store.create_or_open(path, run="r").close()
+    made = seen.index("whole") if "whole" in seen else len(seen)  # from the COMMIT on: the whole store
+    assert made > 10 and set(seen[:made]) == {"missing"} and set(seen[made:]) <= {"whole"}, seen
+    monkeypatch.undo()
+    Store.open(path, run="r", readonly=True).close()
+
+
 def test_an_old_layout_is_refused(tmp_path: Path) -> None:
     db = sqlite3.connect(tmp_path / "r.sqlite")
     db.execute("CREATE TABLE prompts (cid TEXT PRIMARY KEY, seq INTEGER, jid TEXT, src TEXT)")

@@ -32,7 +32,7 @@ def test_turnover_sizes_the_surplus_from_bursts_of_finishes_within_a_round_trip(
 
 
 def test_surplus_cap() -> None:
-    assert surplus_cap(12, None) == 6 and surplus_cap(3, None) == 1 and surplus_cap(0, None) == 0
+    assert surplus_cap(12, None) == 12 and surplus_cap(1, None) == 1 and surplus_cap(0, None) == 0
     assert surplus_cap(12, 5) == 5 and surplus_cap(4, 9) == 4 and surplus_cap(12, 0) == 0
 
 

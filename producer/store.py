@@ -30,7 +30,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from enum import IntEnum
 from pathlib import Path
 
@@ -115,29 +115,40 @@ class Store:
         """Open the store at `path`, creating it (mode 0600, its directory 0700) when missing."""
         path = path.absolute()
         if not path.exists():
-            private_dir(path.parent)
-            fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
-            os.close(fd)
-        db = cls._connect(path, readonly=False)
-        # One transaction makes the tables and the meta rows: a reader (the head, started before the
-        # first enqueue) sees either no table at all (`open`: still being created) or a whole store,
-        # never tables with an empty meta. Idempotent: two processes may both get here.
-        db.execute("BEGIN IMMEDIATE")
+            cls._create(path, run)
+        store = cls(cls._connect(path, readonly=False), path, readonly=False)
+        store._check_run(run)
+        return store
+
+    @classmethod
+    def _create(cls, path: Path, run: str) -> None:
+        """Make the store in a private file beside `path`, then link it into place. Whoever opens
+        `path` (the head polls it from before the first enqueue) finds a whole store already in WAL
+        mode, or no file: never an empty file, tables without their meta rows, or a connection
+        switching the file to WAL (that switch fails at once with "database is locked" for a
+        concurrent opener, busy timeout or not). Two creators at once: the first link wins, the
+        other opens that store."""
+        private_dir(path.parent)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.new")
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         try:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
-            if db.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == 0:
+            db = cls._connect(tmp, readonly=False)
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
                 db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [
                     ("schema", SCHEMA_VERSION), ("store_id", uuid.uuid4().hex), ("run", run),
                     ("created", repr(time.time())), ("host", socket.gethostname()), ("rejected_results", "0")])
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        store = cls(db, path, readonly=False)
-        store._check_run(run)
-        return store
+                db.execute("COMMIT")
+            finally:
+                db.close()  # the last connection checkpoints: the file alone is the whole store
+            with suppress(FileExistsError):  # another enqueue made it first: open that one
+                os.link(tmp, path)
+        finally:
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{tmp}{suffix}").unlink(missing_ok=True)
 
     @classmethod
     def open(cls, path: Path, *, run: str, readonly: bool = False) -> Store:

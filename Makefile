@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint bench clean acl
+.PHONY: install demo test test-quick lint bench clean acl
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
+
+# For iteration: everything but the end-to-end scenarios (marked slow). `make test` runs everything.
+test-quick: install
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q -m "not slow"
 
 lint: install
 	$(BIN)/ruff check .

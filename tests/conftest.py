@@ -127,6 +127,18 @@ def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 
 
+@pytest.fixture(autouse=True)
+def _no_fleet_outlives_its_test() -> Iterator[None]:
+    """Kill every process of every Fleet the test made, pass or fail, even one made without the
+    `fleets` fixture: a worker left alive takes the next tests' jobs from the shared Redis (one failure
+    once cascaded into 18, and on 2026-12-01 into 8)."""
+    yield
+    from .fleet import Fleet  # tests/fleet.py imports this module
+
+    while Fleet.made:
+        Fleet.made.pop().kill_all()
+
+
 @pytest.fixture
 def r(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 import redis
@@ -28,8 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Fleet:
+    made: ClassVar[list[Fleet]] = []  # every fleet of the running test: conftest kills them all at its end
+
     def __init__(self, tmp: Path, redis_url: str, *, run: str = "t", gpus: int = 2,
                  env: dict[str, str] | None = None, prefix: str = "") -> None:
+        Fleet.made.append(self)
         self.tmp = tmp
         self.redis_url = redis_url
         self.run = run

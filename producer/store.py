@@ -30,7 +30,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
 
@@ -144,8 +144,13 @@ class Store:
                 db.execute("COMMIT")
             finally:
                 db.close()  # the last connection checkpoints: the file alone is the whole store
-            with suppress(FileExistsError):  # another enqueue made it first: open that one
+            try:
                 os.link(tmp, path)
+            except FileExistsError:
+                pass  # another enqueue made it first: open that one
+            except OSError:  # a file system without hard links (some network or FUSE ones)
+                if not path.exists():
+                    os.replace(tmp, path)  # atomic too; only a second creator racing here could lose
         finally:
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{tmp}{suffix}").unlink(missing_ok=True)
@@ -161,7 +166,7 @@ class Store:
             tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.Error as exc:
             raise StoreError(f"{path} is not a batchfleet store ({exc})") from None
-        if not tables:  # an empty file: `create_or_open` has not committed its first transaction yet
+        if not tables:  # an empty file (an older batchfleet made the store in place): not there yet
             db.close()
             raise MissingStore(f"the store at {path} is still being created (producer enqueue)")
         if "meta" not in tables:

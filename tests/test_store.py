@@ -86,6 +86,18 @@ def test_a_store_being_created_is_missing_never_half_made(tmp_path: Path, monkey
     Store.open(path, run="r", readonly=True).close()
 
 
+def test_a_file_system_without_hard_links_still_gets_a_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_links(src: object, dst: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("producer.store.os.link", no_links)
+    path = tmp_path / "state" / "r.sqlite"
+    Store.create_or_open(path, run="r").close()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["r.sqlite"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_bytes()[18:20] == b"\x02\x02"
+    Store.open(path, run="r", readonly=True).close()
+
+
 def _open_when_it_appears(path: Path, out: Queue) -> None:
     """The head's loop: poll the path, open the store read-write the moment it is there."""
     deadline = time.monotonic() + 20

@@ -79,10 +79,12 @@ def test_kill_9_loses_and_duplicates_nothing(tmp_path, redis_url):
     victim = fleet.start_worker(0)
     fleet.wait_for(lambda: fleet.r.zcard("rq:wip:gpu0") >= 5, 60, "gpu0 to have prompts in flight")
     time.sleep(0.5)
-    in_flight = {m.decode().split(":")[0] for m in fleet.r.zrange(fleet.k.leases, 0, -1)}
-    assert in_flight
     victim.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
+    victim.wait(10)
+    # Counted after the kill: a prompt it finished just before dying is not in flight.
+    in_flight = {m.decode().split(":")[0] for m in fleet.r.zrange(fleet.k.leases, 0, -1)}
+    assert in_flight
     fleet.start_worker(1)
     # Its in-flight prompts are put back within the lease time and run by the live worker.
     fleet.wait_for(lambda: int(fleet.r.hget(fleet.k.stats, "recovered") or 0) >= len(in_flight), 30,

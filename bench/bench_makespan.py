@@ -37,7 +37,7 @@ def run_mode(mode: str, tmp: Path, redis_url: str, *, gpus: int, prompts: int, t
     env = {**seed_env(time_scale), **(ORACLE if mode == "c" else {})}
     fleet = Fleet(tmp, redis_url, run=f"makespan-{mode}", gpus=gpus, env=env)
     write_seed_prompts(tmp / "prompts.jsonl", prompts, min_tokens=tokens[0], max_tokens=tokens[1])
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", ",".join(f"gpu{g}" for g in range(gpus)))
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     sup = None
     try:
         t0, t0_wall = time.monotonic(), time.time()

@@ -139,7 +139,7 @@ def run_seed(tmp: Path, redis_url: str, *, gpus: int, prompts: int, time_scale: 
              png: Path | None = None, say=print, extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
     fleet = Fleet(tmp, redis_url, run="seed", gpus=gpus, env=seed_env(time_scale))
     write_seed_prompts(tmp / "prompts.jsonl", prompts, min_tokens=tokens[0], max_tokens=tokens[1])
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", ",".join(f"gpu{g}" for g in range(gpus)))
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     sup = None
     try:
         for g in range(gpus):

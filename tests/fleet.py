@@ -4,6 +4,7 @@ server, exactly as a host's Procfile runs them; plus the producer CLI as a subpr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -29,10 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class Fleet:
     made: ClassVar[list[Fleet]] = []  # every fleet of the running test: conftest kills them all at its end
+    _seq: ClassVar[itertools.count[int]] = itertools.count(1)
 
-    def __init__(self, tmp: Path, redis_url: str, *, run: str = "t", gpus: int = 2,
-                 env: dict[str, str] | None = None, prefix: str = "") -> None:
+    def __init__(self, tmp: Path, redis_url: str, *, run: str | None = None, gpus: int = 2,
+                 env: dict[str, str] | None = None, prefix: str | None = None) -> None:
         Fleet.made.append(self)
+        # Every fleet has a run and queues of its own unless a test names them: t<n>, queues t<n>.gpuN.
+        # (prefix="" only where the queue names are fixed by what is tested, e.g. the shipped Procfile.)
+        run = run or f"t{next(Fleet._seq)}"
+        prefix = f"{run}." if prefix is None else prefix
         self.tmp = tmp
         self.redis_url = redis_url
         self.run = run

@@ -18,6 +18,8 @@ import orjson
 import pytest
 import redis
 
+from batchfleet.keys import Keys
+
 from .conftest import RedisServer
 from .fleet import BIN, ROOT, Fleet, expected_text, text_of, write_prompts
 
@@ -77,22 +79,23 @@ def test_the_head_feeds_a_window_and_a_restarted_head_resumes(tmp_path: Path, re
                                                    "SGLANG_SIM_TIME_SCALE": "40"})
     fleets.append(fleet)
     rows = write_prompts(tmp_path / "prompts.jsonl", 400, max_tokens=24)
-    out = fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0").stdout
-    assert "fed to Redis: gpu0 30" in out and "370 prompt(s) wait in the store" in out
+    out = fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues).stdout
+    assert f"fed to Redis: {fleet.queue(0)} 30" in out and "370 prompt(s) wait in the store" in out
     fleet.start_worker(0)
     fleet.start_head()
     peak = 0
 
     def progress(n: int) -> bool:
         nonlocal peak
-        peak = max(peak, fleet.r.llen("rq:queue:gpu0"))
+        peak = max(peak, fleet.r.llen(Keys.queue(fleet.queue(0))))
         return fleet.finished() >= n
 
     fleet.wait_for(lambda: progress(120), 120, "120 prompts with the head feeding")
     fleet.head.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
     fleet.head.wait()  # type: ignore[union-attr]
     # Without the head the workers finish the window and idle; the rest waits in the store.
-    fleet.wait_for(lambda: fleet.r.llen("rq:queue:gpu0") == 0 and fleet.r.zcard("rq:wip:gpu0") == 0, 60,
+    q = fleet.queue(0)
+    fleet.wait_for(lambda: fleet.r.llen(Keys.queue(q)) == 0 and fleet.r.zcard(Keys.started(q)) == 0, 60,
                    "the worker to drain the window")
     time.sleep(2)  # the worker idles: nothing else feeds it
     st = status(fleet)
@@ -112,7 +115,7 @@ def test_redis_restart_without_persistence_is_detected_and_repaired(tmp_path: Pa
     fleet = Fleet(tmp_path, server.url, gpus=2, env={"BATCHFLEET_WINDOW_DEFAULT": "40", "SGLANG_SIM_TIME_SCALE": "20"})
     fleets.append(fleet)
     rows = write_prompts(tmp_path / "prompts.jsonl", 300, max_tokens=32)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0,gpu1")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     for gpu in (0, 1):
         fleet.start_worker(gpu)
     fleet.start_head()
@@ -120,7 +123,7 @@ def test_redis_restart_without_persistence_is_detected_and_repaired(tmp_path: Pa
     assert fleet.stop_head() == 0
     server.stop()
     server.start()  # same port, no data: the marker, the queues, the leases, the counters are gone
-    repair = f"producer --run t --state-dir {tmp_path / 'state'} recover"
+    repair = f"producer --run {fleet.run} --state-dir {tmp_path / 'state'} recover"
     fleet.wait_for(lambda: all("Redis lost the data of run t" in fleet.worker_log(g) for g in (0, 1)), 60,
                    "both workers to notice the loss")
     for g in (0, 1):
@@ -148,7 +151,7 @@ def test_the_head_rides_out_a_redis_outage(tmp_path: Path, private_redis, fleets
                                                     "SGLANG_SIM_TIME_SCALE": "10"})
     fleets.append(fleet)
     rows = write_prompts(tmp_path / "prompts.jsonl", 200, max_tokens=32)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     fleet.start_worker(0)
     head = fleet.start_head()
     fleet.wait_for(lambda: fleet.finished() >= 40, 120, "some progress")
@@ -170,11 +173,12 @@ def test_the_head_rides_out_a_redis_outage(tmp_path: Path, private_redis, fleets
 def test_honcho_runs_the_shipped_procfile_through_a_redis_restart(tmp_path: Path, private_redis,
                                                                    fleets: list[Fleet]) -> None:
     server = private_redis("--appendonly", "yes", "--appendfsync", "always")
-    fleet = Fleet(tmp_path, server.url, gpus=2, env={"BATCHFLEET_WINDOW_DEFAULT": "30",
-                                                     "SGLANG_SIM_TIME_SCALE": "20"})
+    # prefix "": the shipped Procfile's queue names (its own redis-server, so no other test's)
+    fleet = Fleet(tmp_path, server.url, gpus=2, prefix="", env={"BATCHFLEET_WINDOW_DEFAULT": "30",
+                                                                "SGLANG_SIM_TIME_SCALE": "20"})
     fleets.append(fleet)
     rows = write_prompts(tmp_path / "prompts.jsonl", 240, max_tokens=32)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0,gpu1")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     log = (tmp_path / "honcho.log").open("wb")
     # The shipped Procfile, its collector and two GPU lines exactly as written (the supervisor is left out).
     honcho = subprocess.Popen([str(BIN / "honcho"), "start", "-f", str(ROOT / "Procfile"), "-d", str(tmp_path),
@@ -217,7 +221,7 @@ def test_rq_commands_reach_a_worker_after_a_redis_restart_and_the_outage_is_two_
                                                      "BATCHFLEET_SHUTDOWN_GRACE_S": "0.5"})
     fleets.append(fleet)
     rows = write_prompts(tmp_path / "prompts.jsonl", 36, max_tokens=400)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     proc = fleet.start_worker(0)
     fleet.wait_for(lambda: fleet.r.zcard(fleet.k.leases) >= 5, 60, "prompts in flight")
     (name,) = [s.worker for s in fleet.statuses()]
@@ -247,21 +251,21 @@ def test_a_stock_rq_worker_eats_jobs_status_names_them_recover_runs_them(tmp_pat
     fleet = Fleet(tmp_path, redis_url, gpus=1)
     fleets.append(fleet)
     rows = write_prompts(tmp_path / "prompts.jsonl", 12, max_tokens=16)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     stock_env = {k: v for k, v in fleet.env.items() if k != "RQ_WORKER_CLASS"}
-    stock = subprocess.run([str(BIN / "rq"), "worker", "--burst", "--name", "stock-worker", "gpu0"], env=stock_env,
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    stock = subprocess.run([str(BIN / "rq"), "worker", "--burst", "--name", "stock-worker", fleet.queue(0)],
+                           env=stock_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert "DeserializationError" in stock.stdout + stock.stderr
     st = status(fleet)
     assert st["totals"]["failed_foreign"] == 12 and st["totals"]["pending"] == 12
-    assert st["foreign_failures"] == [{"queue": "gpu0", "worker": "stock-worker", "count": 12}]
+    assert st["foreign_failures"] == [{"queue": fleet.queue(0), "worker": "stock-worker", "count": 12}]
     text = fleet.producer("status").stdout
-    repair = f"producer --run t --state-dir {tmp_path / 'state'} recover"
-    assert "12 prompt(s) on queue gpu0 were failed by worker stock-worker" in text and repair in text
+    repair = f"producer --run {fleet.run} --state-dir {tmp_path / 'state'} recover"
+    assert f"12 prompt(s) on queue {fleet.queue(0)} were failed by worker stock-worker" in text and repair in text
 
     out = fleet.producer("recover").stdout
     assert "requeued 12 prompt(s) (0 that were nowhere in Redis, 12 failed by a non-batchfleet worker)" in out
-    assert fleet.r.llen("rq:queue:gpu0") == 12 and fleet.r.zcard("rq:failed:gpu0") == 0
+    assert fleet.r.llen(Keys.queue(fleet.queue(0))) == 12 and fleet.r.zcard(Keys.failed(fleet.queue(0))) == 0
     fleet.start_worker(0)
     export_exactly(fleet, rows)
     fleet.stop_all()

@@ -11,6 +11,8 @@ import time
 import orjson
 import pytest
 
+from batchfleet.keys import Keys
+
 from .fleet import BIN, Fleet, expected_text, text_of, write_prompts
 
 pytestmark = pytest.mark.slow
@@ -23,14 +25,14 @@ def read_export(path) -> list[dict]:
 def test_two_gpus_500_prompts_end_to_end(tmp_path, redis_url):
     fleet = Fleet(tmp_path, redis_url, gpus=2, env={"BATCHFLEET_MAX_RUNNING_REQUESTS": "64"})
     rows = write_prompts(tmp_path / "prompts.jsonl", 500)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0,gpu1")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
 
     # RQ's own view agrees with what was enqueued.
     info = subprocess.run([str(BIN / "rq"), "info", "-u", redis_url, "--raw", "--only-queues"],
                           capture_output=True, text=True, check=True).stdout
     counts = {line.split()[1]: int(line.split()[2].rstrip(",")) for line in info.splitlines()
               if line.startswith("queue ")}
-    assert counts == {"gpu0": 250, "gpu1": 250}
+    assert counts == {fleet.queue(0): 250, fleet.queue(1): 250}
 
     for gpu in (0, 1):
         fleet.start_worker(gpu)
@@ -63,9 +65,9 @@ def test_two_gpus_500_prompts_end_to_end(tmp_path, redis_url):
                for ep in ("/v1/completions", "/v1/chat/completions")) == 500
 
     # Re-enqueueing the same file after the run changes nothing.
-    again = fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0,gpu1")
+    again = fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     assert "0 new" in again.stdout + again.stderr
-    assert fleet.r.llen("rq:queue:gpu0") == 0 and fleet.r.llen("rq:queue:gpu1") == 0
+    assert fleet.r.llen(Keys.queue(fleet.queue(0))) == 0 and fleet.r.llen(Keys.queue(fleet.queue(1))) == 0
     # Results left Redis: nothing piles up once collected.
     assert fleet.r.xlen(fleet.k.results) == 0 and fleet.r.scard(fleet.k.done) == 0
     assert not fleet.r.keys("rq:job:*")
@@ -75,9 +77,9 @@ def test_kill_9_loses_and_duplicates_nothing(tmp_path, redis_url):
     # Default lease settings: the claim is that a killed worker's prompts run again within 30 s.
     fleet = Fleet(tmp_path, redis_url, gpus=2, env={"SGLANG_SIM_TIME_SCALE": "4"})
     rows = write_prompts(tmp_path / "prompts.jsonl", 240, max_tokens=96)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0,gpu1")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     victim = fleet.start_worker(0)
-    fleet.wait_for(lambda: fleet.r.zcard("rq:wip:gpu0") >= 5, 60, "gpu0 to have prompts in flight")
+    fleet.wait_for(lambda: fleet.r.zcard(Keys.started(fleet.queue(0))) >= 5, 60, "gpu0 to have prompts in flight")
     time.sleep(0.5)
     victim.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
@@ -115,14 +117,14 @@ def test_sigterm_finishes_or_hands_back_and_stops_the_server(tmp_path, redis_url
     fleet = Fleet(tmp_path, redis_url, gpus=1, env={"SGLANG_SIM_TIME_SCALE": "2",
                                                     "BATCHFLEET_SHUTDOWN_GRACE_S": "0.5"})
     write_prompts(tmp_path / "prompts.jsonl", 60, max_tokens=400)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     proc = fleet.start_worker(0)
-    fleet.wait_for(lambda: fleet.r.zcard("rq:wip:gpu0") >= 5, 60, "prompts in flight")
+    fleet.wait_for(lambda: fleet.r.zcard(Keys.started(fleet.queue(0))) >= 5, 60, "prompts in flight")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     # Nothing is left half-done: every prompt is either finished or back in its queue.
-    assert fleet.r.zcard("rq:wip:gpu0") == 0 and fleet.r.zcard(fleet.k.leases) == 0
-    assert fleet.finished() + fleet.r.llen("rq:queue:gpu0") == 60
+    assert fleet.r.zcard(Keys.started(fleet.queue(0))) == 0 and fleet.r.zcard(fleet.k.leases) == 0
+    assert fleet.finished() + fleet.r.llen(Keys.queue(fleet.queue(0))) == 60
     assert int(fleet.r.hget(fleet.k.stats, "handed_back") or 0) >= 1
     with pytest.raises(ProcessLookupError):
         os.kill(fleet.sim_record(0)["pid"], 0)
@@ -132,12 +134,12 @@ def test_sigterm_finishes_or_hands_back_and_stops_the_server(tmp_path, redis_url
 def test_server_that_cannot_start_is_reported_and_takes_no_work(tmp_path, redis_url):
     fleet = Fleet(tmp_path, redis_url, gpus=1, env={"SGLANG_SIM_FAIL_STARTUP": "oom"})
     write_prompts(tmp_path / "prompts.jsonl", 10)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     fleet.start_worker(0)
     fleet.wait_for(lambda: any(s.state == "down" for s in fleet.statuses()), 30, "the worker to report down")
     (status,) = fleet.statuses()
     assert "CUDA out of memory" in status.message
-    assert fleet.r.llen("rq:queue:gpu0") == 10  # no prompt was taken
+    assert fleet.r.llen(Keys.queue(fleet.queue(0))) == 10  # no prompt was taken
     assert "CUDA out of memory" in fleet.worker_log(0)
     fleet.stop_all()
 
@@ -145,7 +147,7 @@ def test_server_that_cannot_start_is_reported_and_takes_no_work(tmp_path, redis_
 def test_server_crash_is_survived_without_loss(tmp_path, redis_url):
     fleet = Fleet(tmp_path, redis_url, gpus=1, env={"SGLANG_SIM_CRASH_AFTER": "70"})
     rows = write_prompts(tmp_path / "prompts.jsonl", 120)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     fleet.start_worker(0)
     fleet.wait_for(lambda: fleet.finished() >= 120, 120, "all prompts despite crashes")
     fleet.stop_all()
@@ -160,7 +162,7 @@ def test_legacy_server_gets_the_old_flag_and_capacity_from_its_log(tmp_path, red
     fleet = Fleet(tmp_path, redis_url, gpus=1, env={"SGLANG_SIM_VERSION": "0.5.6",
                                                     "BATCHFLEET_STRATEGY": "no_buffer"})
     write_prompts(tmp_path / "prompts.jsonl", 40)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     fleet.start_worker(0)
     fleet.wait_for(lambda: fleet.finished() >= 40, 60, "prompts on a legacy server")
     (status,) = fleet.statuses()
@@ -178,7 +180,7 @@ def test_hung_server_is_detected_killed_and_restarted_without_loss(tmp_path, red
     fleet = Fleet(tmp_path, redis_url, gpus=1, env={"SGLANG_SIM_HANG_AFTER": "30",
                                                     "BATCHFLEET_HEALTH_INTERVAL_S": "1"})
     rows = write_prompts(tmp_path / "prompts.jsonl", 50)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     fleet.start_worker(0)
     fleet.wait_for(lambda: fleet.finished() >= 50, 150, "all prompts despite the hang")
     fleet.stop_all()
@@ -200,7 +202,7 @@ def test_workers_ride_out_a_redis_restart(tmp_path):
     try:
         fleet = Fleet(tmp_path, server.url, gpus=1, env={"SGLANG_SIM_TIME_SCALE": "5"})
         rows = write_prompts(tmp_path / "prompts.jsonl", 150, max_tokens=64)
-        fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+        fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
         fleet.start_worker(0)
         fleet.wait_for(lambda: fleet.finished() >= 20, 60, "some progress")
         server.stop()

@@ -17,7 +17,7 @@ def test_worker_follows_a_new_server_spec_without_losing_prompts(tmp_path, redis
     fleet = Fleet(tmp_path, redis_url, gpus=1, env={"SGLANG_SIM_TIME_SCALE": "10",
                                                     "BATCHFLEET_SHUTDOWN_GRACE_S": "1"})
     rows = write_prompts(tmp_path / "prompts.jsonl", 200, max_tokens=64)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     fleet.start_worker(0)
     fleet.wait_for(lambda: any(s.state == "serving" and s.in_flight > 0 for s in fleet.statuses()), 60, "serving")
     (before,) = fleet.statuses()
@@ -52,7 +52,7 @@ def test_worker_follows_a_new_server_spec_without_losing_prompts(tmp_path, redis
 def test_a_worker_with_an_empty_queue_takes_from_the_others(tmp_path, redis_url):
     fleet = Fleet(tmp_path, redis_url, gpus=2)
     write_prompts(tmp_path / "prompts.jsonl", 300, max_tokens=64)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")  # everything on GPU 0's queue
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queue(0))  # everything on GPU 0's queue
     fleet.start_worker(0)
     fleet.start_worker(1)
     fleet.wait_for(lambda: fleet.finished() >= 300, 120, "all prompts")
@@ -60,4 +60,4 @@ def test_a_worker_with_an_empty_queue_takes_from_the_others(tmp_path, redis_url)
     served = [sum(fleet.sim_record(g)["requests_by_endpoint"].values()) for g in (0, 1)]
     assert sum(served) == 300
     assert served[1] >= 60, f"GPU 1 idled while GPU 0 had a backlog: {served}"
-    assert fleet.stats().get("succeeded:gpu0") == 300  # accounted to the queue they came from
+    assert fleet.stats().get(f"succeeded:{fleet.queue(0)}") == 300  # accounted to the queue they came from

@@ -71,7 +71,7 @@ class FakeWorkers:
 def test_the_supervisor_rides_out_a_redis_outage_and_keeps_its_state(tmp_path):
     server = RedisServer(tmp_path)
     server.start()
-    fleet = Fleet(tmp_path, server.url, gpus=2)
+    fleet = Fleet(tmp_path, server.url, gpus=2, prefix="")  # its own redis-server; FakeWorkers serve gpuN
     k = fleet.k
     # A rung rolled back earlier in this run: the supervisor must still remember it after the outage.
     fleet.r.set(k.autopilot, orjson.dumps({"tried": {"no_radix|0.9|128": {"tries": 1, "bar": 0.3,

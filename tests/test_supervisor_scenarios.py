@@ -49,18 +49,18 @@ def test_seed_scenario_mamba_bound_fleet_moves_to_no_buffer(tmp_path, redis_url)
 
 
 def start(tmp_path, redis_url, *, gpus: int, prompts: int, env: dict[str, str], args: tuple[str, ...] = FAST,
-          worker_env: dict[int, dict[str, str]] | None = None, run: str = "t",
+          worker_env: dict[int, dict[str, str]] | None = None, run: str | None = None,
           **prompt_kw) -> tuple[Fleet, SupervisorProc]:
     fleet = Fleet(tmp_path, redis_url, run=run, gpus=gpus, env={"BATCHFLEET_SHUTDOWN_GRACE_S": "1", **env})
     write_seed_prompts(tmp_path / "prompts.jsonl", prompts, **prompt_kw)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", ",".join(f"gpu{g}" for g in range(gpus)))
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     for g in range(gpus):
         fleet.start_worker(g, env=(worker_env or {}).get(g))
     return fleet, SupervisorProc(fleet, *args)
 
 
 def backlog(fleet: Fleet) -> int:
-    return sum(fleet.r.llen(Keys.queue(f"gpu{g}")) for g in fleet.workers)
+    return sum(fleet.r.llen(Keys.queue(fleet.queue(g))) for g in fleet.workers)
 
 
 def classes(fleet: Fleet) -> dict[str, str]:
@@ -200,7 +200,7 @@ def test_rollout_survives_a_worker_killed_and_restarted_and_the_drain_raises_no_
                        args=(*FAST, "--keep-prefix-cache"))
     try:
         rollout = sup.wait_event("rollout", 90)
-        victim = int(rollout.data["queue"].removeprefix("gpu"))
+        victim = int(rollout.data["queue"].rsplit("gpu", 1)[1])
         old = fleet.workers[victim]
         os.kill(old.pid, signal.SIGKILL)
         old.wait(10)
@@ -217,7 +217,7 @@ def test_rollout_survives_a_worker_killed_and_restarted_and_the_drain_raises_no_
         fleet.stop_all()
     assert verified.data["ratio"] and verified.data["ratio"] > 1.2, sup.output()
     assert {(s.strategy, s.effective_max) for s in statuses} == {("no_buffer", 22)}
-    assert {s.queue for s in statuses} == {"gpu0", "gpu1", "gpu2"}
+    assert {s.queue for s in statuses} == {fleet.queue(g) for g in range(3)}
     assert fleet.r.hkeys(fleet.k.control) == [b"fleet"], "a stale override stayed behind"
     assert not sup.events("rollback")
     diagnoses = sup.events("diagnosis")
@@ -244,14 +244,15 @@ exec {sys.executable} -m sglang_sim "$@"
     try:
         rollback = sup.wait_event("rollback", 120)
         assert sup.events("canary") and "CUDA out of memory" in rollback.message, sup.output()
-        assert sorted(rollback.data["queues"]) == ["gpu0", "gpu1"]
+        assert sorted(rollback.data["queues"]) == [fleet.queue(0), fleet.queue(1)]
         fleet.wait_for(lambda: {(s.strategy, s.state, s.effective_max) for s in fleet.statuses()}
                        == {("default", "serving", 12)}, 90, "both GPUs back on the old spec")
         fleet.wait_for(lambda: fleet.finished() >= n, 180, "all prompts")
     finally:
         sup.stop()
         fleet.stop_all()
-    gens = {q: ServerSpec.from_json(fleet.r.hget(fleet.k.control, Keys.control_queue(q))) for q in ("gpu0", "gpu1")}
+    gens = {q: ServerSpec.from_json(fleet.r.hget(fleet.k.control, Keys.control_queue(q)))
+            for q in fleet.queues.split(",")}
     assert {s.strategy for s in gens.values()} == {"default"} and len({s.generation for s in gens.values()}) == 1
     assert exactly_once(fleet, n) == (0, 0)
 
@@ -287,7 +288,7 @@ def test_a_worker_follows_a_new_spec_at_once_even_while_its_health_probe_waits(t
     fleet = Fleet(tmp_path, redis_url, run="probe", gpus=1,
                   env={**seed_env(1), "BATCHFLEET_HEALTH_INTERVAL_S": "1", "BATCHFLEET_SHUTDOWN_GRACE_S": "1"})
     write_seed_prompts(tmp_path / "prompts.jsonl", 40, min_tokens=3000, max_tokens=3000)
-    fleet.producer("enqueue", "prompts.jsonl", "--queues", "gpu0")
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     try:
         fleet.start_worker(0)
         # full: its 37 slots and the surplus the worker keeps waiting in the server
@@ -295,7 +296,7 @@ def test_a_worker_follows_a_new_spec_at_once_even_while_its_health_probe_waits(t
                        "a full server")
         (full,) = fleet.statuses()
         time.sleep(3)  # the worker's health probe (every 1 s while nothing finishes) is now waiting for a slot
-        fleet.r.hset(fleet.k.control, Keys.control_queue("gpu0"),
+        fleet.r.hset(fleet.k.control, Keys.control_queue(fleet.queue(0)),
                      ServerSpec(generation=1, strategy="no_buffer", mem_fraction_static=0.9).to_json())
         fleet.wait_for(lambda: any(e.kind == "restarted" for e in SupervisorProc.events_of(fleet)), 60,
                        "the worker to restart on the new spec")

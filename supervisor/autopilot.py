@@ -135,8 +135,8 @@ class State:
     measured: list[list[float]] = field(default_factory=list)  # [seconds, canary or fleet rate, peers' rate]
     confounded: str = ""  # why the last window was not measured
     baseline_capacity: float = 0.0
-    before_tps: float = 0.0  # fleet tokens/s in the stalled windows
-    before_server_tps: float = 0.0  # per server
+    before_tps: float = 0.0  # fleet tokens/s in the stalled windows; once a canary gained, its peers' x servers
+    before_server_tps: float = 0.0  # per server; once a canary gained, its peers' steady rate beside it
     decide_s: float = 0.0
     rolled: list[str] = field(default_factory=list)  # queues given the target
     tried: dict[str, dict[str, Any]] = field(default_factory=dict)  # spec_key -> tries, until, bar, why
@@ -389,6 +389,12 @@ class Autopilot:
             self._rollback(control, now, f"the canary did not gain: {versus}, needs x{1 + st.bar:.2f})", failed=True,
                            **data)
             return
+        if theirs > 0 and any(p.queue != st.canary for p in report.serving):
+            # The verdict's "before" is the peers' steady rate on the old spec, measured beside the canary: the
+            # stalled windows may hold the fleet's ramp-up (a decision on start-up facts comes after one window;
+            # on a loaded machine that window once read half the rate, and the rollout "gained" x3.79).
+            n = st.before_tps / st.before_server_tps if st.before_server_tps else len(report.serving)
+            st.before_server_tps, st.before_tps = theirs, theirs * n
         self._emit("canary", f"canary {st.canary_label} gained: {versus}); rolling out {self.s.rollout_batch} at a "
                    f"time", **data)
         st.phase, st.phase_since, st.progress_since, st.rolled = Phase.ROLLING_OUT, now, now, [st.canary]

@@ -148,16 +148,37 @@ async def _flood(url: str, n: int, params: dict, prefix: str = "p") -> list[http
 @pytest.mark.parametrize(("flags", "cap"), [
     ([], 12), (["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"], 20)])
 def test_peak_running_is_effective_capacity(flags: list[str], cap: int) -> None:
-    with start_sim(*flags, "--max-running-requests", "64", env=FAST) as sim:
-        rs = asyncio.run(_flood(sim.url, 40, {"max_new_tokens": 60, "ignore_eos": True}))
-        assert all(r.status_code == 200 for r in rs)
+    # Generations that cannot finish while the flood arrives (real time, 3000 tokens): all 40 are in the
+    # server at once whatever the machine's load, so the cap is reached by construction, never by luck
+    # (with 60-token generations a loaded client sent the last requests after the first had finished).
+    n = 40
+    with start_sim(*flags, "--max-running-requests", "64", env={**FAST, "SGLANG_SIM_TIME_SCALE": "1"}) as sim:
+        async def flood() -> tuple[list[httpx.Response], dict, dict]:
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as c:
+                params = {"max_new_tokens": 3000, "ignore_eos": True}
+                sent = [asyncio.create_task(c.post(sim.url + "/generate", json={
+                    "text": f"p {i} " + "w " * 20, "rid": f"flood-{i}", "sampling_params": params}))
+                    for i in range(n)]
+                for _ in range(600):  # up to 30 s for a loaded client to send them all
+                    await asyncio.sleep(0.05)
+                    obs = (await c.get(sim.url + "/sim/observed")).json()
+                    if obs["running"] + obs["queued"] == n:
+                        break
+                await asyncio.sleep(0.5)  # scheduler ticks that would admit past the cap, if it did
+                during = (await c.get(sim.url + "/sim/observed")).json()
+                ab = (await c.post(sim.url + "/abort_request", json={"rid": "flood-", "abort_all": False})).json()
+                return list(await asyncio.gather(*sent)), during, ab
+
+        rs, during, ab = asyncio.run(flood())
+        assert (during["running"], during["queued"]) == (cap, n - cap), during
+        assert ab["aborted"] == n and all(r.status_code == 200 for r in rs)
         obs = sim.observed()
         assert obs["peak_running"] == cap
         assert obs["effective_max_running_requests"] == cap
-        assert obs["peak_queued"] >= 40 - cap - 1
+        assert obs["peak_queued"] == n - cap
         assert obs["flags"]["max_running_requests"] == 64
     rec = sim.record()
-    assert rec["requests_by_endpoint"]["/generate"] == 40 and rec["peak_running"] == cap
+    assert rec["requests_by_endpoint"]["/generate"] == n and rec["peak_running"] == cap
 
 
 def test_queue_full_abort_and_flush() -> None:

@@ -371,6 +371,25 @@ def test_a_canary_that_gains_is_rolled_out_a_few_at_a_time_then_verified_on_stea
     assert pilot.state.phase == "observing"
 
 
+def test_the_verdict_compares_with_the_peers_steady_rate_not_a_ramp_up_decision_window():
+    # Start-up facts decide after one window. On a loaded machine that window held the fleet's ramp-up
+    # (half the steady rate here) and the verdict read x3.79 for a move worth x1.9 (CI, seed scenario).
+    pilot = Autopilot(Settings(windows=1, restart_cost_s=1, verify_windows=2, rollout_batch=3),
+                      LadderConfig(forbid=frozenset({"no_radix"})))
+    (decision,) = emitted(drive(pilot, [stalled(0, facts=SEED, tps=280.0)]), "decision")
+    assert decision.data["before_tokens_per_s"] == pytest.approx(4 * 280, rel=0.01)
+    ctl = control(seen_generation=1)
+    acts = drive(pilot, [restarting(1), *canary_windows([2, 3])], ctl)
+    (canary,) = emitted(acts, "canary")
+    assert canary.data["peers_tokens_per_s"] == pytest.approx(560, rel=0.01)
+    new = dict(generation=1, strategy="no_buffer", cap=72, in_flight=72, tps=1065.0, facts=NB)
+    acts = drive(pilot, [window(lambda t: [ws(g, t=t, **new) for g in range(4)], k) for k in (4, 5, 6, 7)], ctl)
+    (verified,) = emitted(acts, "verified")
+    assert verified.data["ratio"] == pytest.approx(1065 / 560, rel=0.01), verified.message
+    assert verified.data["before_tokens_per_s"] == pytest.approx(4 * 560, rel=0.01)
+    assert verified.data["after_tokens_per_s"] == pytest.approx(4 * 1065, rel=0.01)
+
+
 def test_a_canary_still_filling_is_not_judged_and_not_rolled_back():
     """Issue 9 §2: the canary came up with 72 slots while its worker kept 36 in flight; judged then, it
     looked slower than its peers and was rolled back. Not full = not measured."""

@@ -172,6 +172,21 @@ def test_a_canary_on_a_new_generation_is_not_an_outlier():
     assert not [v for v in rep.servers if v.outliers]
 
 
+def test_a_server_restarted_within_the_window_is_not_compared_with_its_peers():
+    # A rollout's last GPU restarted mid-window: its window rate counts the downtime (CI under load: 377 tok/s
+    # beside 4,900), and with three GPUs "far from its peers" was said of all three.
+    new = dict(generation=1, strategy="no_buffer", cap=22, in_flight=22, facts=NB)
+
+    def fleet(t: float) -> list[WorkerStatus]:
+        late = ws(2, t=t, state="restarting", cap=12, in_flight=0, tps=0) if t < 2 else ws(2, t=t, tps=377, **new)
+        return [ws(g, t=t, tps=4900, **new) for g in (0, 1)] + [late]
+    rep = classify_window(window(fleet))
+    assert not [(v.worker, v.outliers) for v in rep.servers if v.outliers]
+    # Steady the whole window at that rate (among four), it is flagged, and only it.
+    rep = classify_window(window(lambda t: [ws(g, t=t, tps=377 if g == 2 else 4900, **new) for g in range(4)]))
+    assert {v.worker for v in rep.servers if v.outliers} == {"w2"}
+
+
 def test_a_slow_host_is_flagged_once_as_a_host_not_as_its_gpus():
     def fleet(t: float) -> list[WorkerStatus]:
         return ([ws(g, t=t, host="a", worker=f"a{g}") for g in range(4)]

@@ -9,6 +9,8 @@
      ceiling httpx allows with the same concurrency;
    - a bare aiohttp loop, the same through one aiohttp session: the ceiling of the client the worker
      now uses for generations;
+   - a bare http1 loop, the same through `bench/http1.py` (a bare asyncio-protocol HTTP/1.1 client):
+     the transport proposed for the worker's generation request, not used by the worker;
    - batchfleet's dispatcher: Redis claim/finish (batched Lua) + the worker's SGLang client
      (`batchfleet.sglang.make_client` / `complete`, as the worker's keeper calls them).
    The bare loops and the dispatcher run interleaved, --rounds times each; the best and the median are
@@ -148,6 +150,32 @@ async def child_aiohttp(server_url: str, n: int, concurrency: int) -> dict[str, 
     return {"n": n, "wall_s": wall, "cpu_s": cpu}
 
 
+async def child_http1(server_url: str, n: int, concurrency: int) -> dict[str, float]:
+    """The same loop through `bench.http1.Http1Client`, a bare asyncio-protocol HTTP/1.1 client: the
+    transport proposed for the worker's generation request (not used by the worker)."""
+    from bench.http1 import Http1Client
+
+    client = Http1Client(server_url, max_connections=concurrency + 4, timeout_s=60.0)
+    todo = iter(range(n))
+    done = 0
+
+    async def loop() -> None:
+        nonlocal done
+        for i in todo:
+            status, reply = await client.post(URL_PATH, orjson.dumps(body_for(i)))
+            assert status == 200
+            orjson.loads(reply)
+            done += 1
+
+    await client.post(URL_PATH, b"{}")
+    t0, c0 = time.perf_counter(), cpu_s()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+    await client.aclose()
+    assert done == n
+    return {"n": n, "wall_s": wall, "cpu_s": cpu}
+
+
 async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurrency: int) -> dict[str, float]:
     config = Config(run=run, redis_url=redis_url, queues=("gpu0",))
     client = aioredis.from_url(redis_url)
@@ -177,7 +205,7 @@ async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurre
 
 def child_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("simpleworker", "httpx", "aiohttp", "ours"))
+    ap.add_argument("mode", choices=("simpleworker", "httpx", "aiohttp", "http1", "ours"))
     ap.add_argument("--redis-url", default="")
     ap.add_argument("--server-url", default="")
     ap.add_argument("--run", default="dispatch")
@@ -197,6 +225,8 @@ def child_main(argv: list[str]) -> None:
         out = asyncio.run(child_httpx(a.server_url, a.n, a.concurrency))
     elif a.mode == "aiohttp":
         out = asyncio.run(child_aiohttp(a.server_url, a.n, a.concurrency))
+    elif a.mode == "http1":
+        out = asyncio.run(child_http1(a.server_url, a.n, a.concurrency))
     else:
         out = asyncio.run(child_ours(a.redis_url, a.server_url, a.run, a.n, a.concurrency))
     if prof is not None:
@@ -289,6 +319,7 @@ def bench_ceiling(url: str, workdir: Path, args: argparse.Namespace) -> None:
     c = args.concurrency
     bare: list[dict[str, float]] = []
     aio: list[dict[str, float]] = []
+    h1: list[dict[str, float]] = []
     ours: list[dict[str, float]] = []
     with InstantServer() as server:
         redis.Redis.from_url(url).flushall()
@@ -298,12 +329,14 @@ def bench_ceiling(url: str, workdir: Path, args: argparse.Namespace) -> None:
         for i in range(args.rounds):
             bare.append(run_child("httpx", "--server-url", server.url, "-n", str(args.jobs), "-c", str(c)))
             aio.append(run_child("aiohttp", "--server-url", server.url, "-n", str(args.jobs), "-c", str(c)))
+            h1.append(run_child("http1", "--server-url", server.url, "-n", str(args.jobs), "-c", str(c)))
             ours.append(measure_ours(url, server, args.jobs, c, workdir, f"ceiling{i}",
                                      args.profile if i == args.rounds - 1 else ""))
     print(f"HTTP dispatch ceiling: one process, instant HTTP server (own process), max_tokens 1, {c} in flight")
     print(line("RQ SimpleWorker (httpx.Client)", [sw]))
     print(line(f"bare httpx loop ({c} coroutines)", bare))
     print(line(f"bare aiohttp loop ({c} coroutines)", aio))
+    print(line(f"bare http1 loop ({c} coroutines)", h1))
     print(line("batchfleet dispatcher", ours))
     r_ours, r_bare, r_aio = max(map(rate, ours)), max(map(rate, bare)), max(map(rate, aio))
     u_ours, u_bare, u_aio = min(map(us, ours)), min(map(us, bare)), min(map(us, aio))
@@ -313,12 +346,15 @@ def bench_ceiling(url: str, workdir: Path, args: argparse.Namespace) -> None:
           f"{u_ours / u_bare:.2f}x CPU per prompt (goal: within 1.3x; >= 3,000 prompts/s)")
     print(f"  bare aiohttp / dispatcher        : {r_aio / r_ours:9.2f}x prompts/s, "
           f"{u_ours / u_aio:.2f}x CPU per prompt (the client the dispatcher uses)")
+    print(f"  bare http1 / bare aiohttp        : {max(map(rate, h1)) / r_aio:9.2f}x prompts/s, "
+          f"{min(map(us, h1)) / u_aio:.2f}x CPU per prompt (the proposed transport, bench/http1.py)")
 
 
 def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
     c, target = args.concurrency, args.paced_rate
     bare: list[dict[str, float]] = []
     aio: list[dict[str, float]] = []
+    h1: list[dict[str, float]] = []
     ours: list[dict[str, float]] = []
     with InstantServer(delay_s=c / target, capacity=c) as server:
         for i in range(args.rounds):
@@ -326,17 +362,20 @@ def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
                 bare.append(run_child("httpx", "--server-url", server.url, "-n", str(args.paced_httpx_jobs),
                                       "-c", str(c)))
             aio.append(run_child("aiohttp", "--server-url", server.url, "-n", str(args.paced_jobs), "-c", str(c)))
+            h1.append(run_child("http1", "--server-url", server.url, "-n", str(args.paced_jobs), "-c", str(c)))
             ours.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"paced{i}"))
     print(f"paced: the server runs {c} at once for {c / target * 1000:.0f} ms each (mean) -> at most "
           f"{target:,} prompts/s")
     if bare:
         print(line("bare httpx loop", bare))
     print(line("bare aiohttp loop", aio))
+    print(line("bare http1 loop (bench/http1.py)", h1))
     print(line("batchfleet dispatcher", ours) + f"  surplus {ours[-1].get('surplus', 0):.0f}")
     if bare:
         print(f"  dispatcher / bare httpx          : {min(map(us, ours)) / min(map(us, bare)):9.2f}x CPU per prompt "
               "(goal: <= 150 µs at 1,000/s)")
     print(f"  dispatcher / bare aiohttp        : {min(map(us, ours)) / min(map(us, aio)):9.2f}x CPU per prompt")
+    print(f"  bare http1 / bare aiohttp        : {min(map(us, h1)) / min(map(us, aio)):9.2f}x CPU per prompt")
 
 
 async def run_dispatcher_inprocess(url: str, config: Config, capacity: int) -> tuple[float, int]:

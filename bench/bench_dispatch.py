@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,31 +95,44 @@ def child_simpleworker(redis_url: str, n: int) -> dict[str, float]:
     return {"n": n, "wall_s": wall, "cpu_s": cpu}
 
 
-async def child_httpx(server_url: str, n: int, concurrency: int) -> dict[str, float]:
-    import httpx
-
-    client = httpx.AsyncClient(base_url=server_url, timeout=httpx.Timeout(60, connect=10.0),
-                               limits=httpx.Limits(max_connections=concurrency + 4,
-                                                   max_keepalive_connections=concurrency + 4))
+async def bare_loop(post: Callable[[bytes], Awaitable[tuple[int, bytes]]], n: int,
+                    concurrency: int) -> dict[str, float]:
+    """`concurrency` coroutines POSTing n one-token prompts through `post` (body -> status, reply),
+    timed from the first request to the last answer: what every bare-client contender runs."""
     todo = iter(range(n))
     done = 0
 
     async def loop() -> None:
         nonlocal done
         for i in todo:
-            resp = await client.post(URL_PATH, content=orjson.dumps(body_for(i)),
-                                     headers={"Content-Type": "application/json"})
-            assert resp.status_code == 200
-            orjson.loads(resp.content)
+            status, reply = await post(orjson.dumps(body_for(i)))
+            assert status == 200
+            orjson.loads(reply)
             done += 1
 
-    await client.post(URL_PATH, content=b"{}")  # the first connection before the clock starts, like the others
+    await post(b"{}")  # the first connection before the clock starts, like the dispatcher's
     t0, c0 = time.perf_counter(), cpu_s()
     await asyncio.gather(*(loop() for _ in range(concurrency)))
     wall, cpu = time.perf_counter() - t0, cpu_s() - c0
-    await client.aclose()
     assert done == n
     return {"n": n, "wall_s": wall, "cpu_s": cpu}
+
+
+async def child_httpx(server_url: str, n: int, concurrency: int) -> dict[str, float]:
+    import httpx
+
+    client = httpx.AsyncClient(base_url=server_url, timeout=httpx.Timeout(60, connect=10.0),
+                               limits=httpx.Limits(max_connections=concurrency + 4,
+                                                   max_keepalive_connections=concurrency + 4))
+
+    async def post(body: bytes) -> tuple[int, bytes]:
+        resp = await client.post(URL_PATH, content=body, headers={"Content-Type": "application/json"})
+        return resp.status_code, resp.content
+
+    try:
+        return await bare_loop(post, n, concurrency)
+    finally:
+        await client.aclose()
 
 
 async def child_aiohttp(server_url: str, n: int, concurrency: int) -> dict[str, float]:
@@ -128,26 +142,16 @@ async def child_aiohttp(server_url: str, n: int, concurrency: int) -> dict[str, 
 
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4),
                                     timeout=aiohttp.ClientTimeout(total=None, sock_read=60))
-    todo = iter(range(n))
-    done = 0
 
-    async def loop() -> None:
-        nonlocal done
-        for i in todo:
-            async with session.post(server_url + URL_PATH, data=orjson.dumps(body_for(i)),
-                                    headers={"Content-Type": "application/json"}) as resp:
-                assert resp.status == 200
-                orjson.loads(await resp.read())
-            done += 1
+    async def post(body: bytes) -> tuple[int, bytes]:
+        async with session.post(server_url + URL_PATH, data=body,
+                                headers={"Content-Type": "application/json"}) as resp:
+            return resp.status, await resp.read()
 
-    async with session.post(server_url + URL_PATH, data=b"{}") as resp:
-        await resp.read()
-    t0, c0 = time.perf_counter(), cpu_s()
-    await asyncio.gather(*(loop() for _ in range(concurrency)))
-    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
-    await session.close()
-    assert done == n
-    return {"n": n, "wall_s": wall, "cpu_s": cpu}
+    try:
+        return await bare_loop(post, n, concurrency)
+    finally:
+        await session.close()
 
 
 async def child_http1(server_url: str, n: int, concurrency: int) -> dict[str, float]:
@@ -156,24 +160,10 @@ async def child_http1(server_url: str, n: int, concurrency: int) -> dict[str, fl
     from bench.http1 import Http1Client
 
     client = Http1Client(server_url, max_connections=concurrency + 4, timeout_s=60.0)
-    todo = iter(range(n))
-    done = 0
-
-    async def loop() -> None:
-        nonlocal done
-        for i in todo:
-            status, reply = await client.post(URL_PATH, orjson.dumps(body_for(i)))
-            assert status == 200
-            orjson.loads(reply)
-            done += 1
-
-    await client.post(URL_PATH, b"{}")
-    t0, c0 = time.perf_counter(), cpu_s()
-    await asyncio.gather(*(loop() for _ in range(concurrency)))
-    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
-    await client.aclose()
-    assert done == n
-    return {"n": n, "wall_s": wall, "cpu_s": cpu}
+    try:
+        return await bare_loop(lambda body: client.post(URL_PATH, body), n, concurrency)
+    finally:
+        await client.aclose()
 
 
 async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurrency: int) -> dict[str, float]:

@@ -12,11 +12,11 @@ import re
 from collections import defaultdict
 from typing import Any
 
-import aiohttp
 import httpx
 import orjson
 
 from .errors import PromptError, RetryableError
+from .http1 import Http1Pool
 from .records import ServerMetrics
 
 __all__ = [
@@ -36,18 +36,17 @@ _PERMANENT = {400, 404, 413, 422}
 # timeout of SGLang's HTTP server (uvicorn's 5 s), so the client gives an idle connection up before
 # the server closes it under a request being sent.
 GENERATION_KEEPALIVE_S = 4.0
-_JSON_HEADERS = {"Content-Type": "application/json"}
+_JSON_HEADERS = {"Content-Type": "application/json"}  # on httpx (a client that is not make_client's)
 
 
 class SGLangClient(httpx.AsyncClient):
     """One shared client per server.
 
     Control-plane requests (health, metrics, server info: a few a second) go through httpx, as
-    always. Generation requests (`complete`: thousands a second) go through an aiohttp session with
-    the same base URL, headers (API key), limits and timeouts: httpx's connection pool scans every
-    connection on every request (O(connections) per request, ~1 ms of CPU per request at 128 in
-    flight), which made httpx the worker's ceiling (docs/benchmarks.md, "Worker dispatch ceiling").
-    Closing the client closes both."""
+    always. Generation requests (`complete`: thousands a second) go through `http1.Http1Pool` with
+    the same base URL, API key, connection limit and timeout: httpx's pool scans every connection on
+    every request (~1 ms of CPU per request at 128 in flight), and aiohttp costs ~4x what a bare
+    protocol does (docs/benchmarks.md, "Worker dispatch ceiling"). Closing the client closes both."""
 
     def __init__(self, base_url: str, *, api_key: str, timeout_s: float, max_connections: int) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -55,46 +54,26 @@ class SGLangClient(httpx.AsyncClient):
         super().__init__(base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0),
                          limits=httpx.Limits(max_connections=max_connections,
                                              max_keepalive_connections=max_connections))
-        self._gen_base = base_url.rstrip("/")
-        self._gen_headers = headers
-        # As httpx's Timeout(timeout_s, connect=10): a pool slot and each read within timeout_s, a
-        # new connection within 10 s; no bound on the whole request beyond that.
-        self._gen_timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=10.0,
-                                                  sock_read=timeout_s)
-        self._gen_limit = max_connections
-        self._session: aiohttp.ClientSession | None = None
-
-    def _generation_session(self) -> aiohttp.ClientSession:
-        """Created on first use, inside the running event loop (aiohttp binds it to the loop)."""
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._gen_limit, limit_per_host=0,
-                                             keepalive_timeout=GENERATION_KEEPALIVE_S)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._gen_headers,
-                                                  timeout=self._gen_timeout, raise_for_status=False)
-        return self._session
+        # As httpx's Timeout(timeout_s, connect=10): a new connection within 10 s, then a reply (or some
+        # of it) within timeout_s; no bound on the whole request beyond that.
+        self.generation = Http1Pool(base_url, max_connections=max_connections, timeout_s=timeout_s,
+                                    connect_timeout_s=10.0, idle_s=GENERATION_KEEPALIVE_S, headers=headers)
 
     async def post_generation(self, url: str, payload: bytes) -> tuple[int, bytes]:
         """POST `payload` (JSON) to `url` (a path) -> (status, body). Raises RetryableError when no
-        HTTP answer came (its cause is aiohttp's error: ClientConnectorError when never sent)."""
+        HTTP answer came (its cause is `http1.ConnectFailed` when the request was never sent)."""
         try:
-            async with self._generation_session().post(self._gen_base + url, data=payload,
-                                                       headers=_JSON_HEADERS) as resp:
-                return resp.status, await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            return await self.generation.post(url, payload)
+        except (ConnectionError, TimeoutError) as exc:
             raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
 
     async def aclose(self) -> None:
-        await self._close_generation()
+        await self.generation.aclose()
         await super().aclose()
 
     async def __aexit__(self, *exc: Any) -> None:
-        await self._close_generation()
+        await self.generation.aclose()
         await super().__aexit__(*exc)
-
-    async def _close_generation(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
 
 
 def make_client(base_url: str, *, api_key: str = "", timeout_s: float, max_connections: int) -> SGLangClient:

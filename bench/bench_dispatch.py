@@ -9,8 +9,8 @@
      ceiling httpx allows with the same concurrency;
    - a bare aiohttp loop, the same through one aiohttp session: the ceiling of the client the worker
      now uses for generations;
-   - a bare http1 loop, the same through `bench/http1.py` (a bare asyncio-protocol HTTP/1.1 client):
-     the transport proposed for the worker's generation request, not used by the worker;
+   - a bare http1 loop, the same through `batchfleet.http1.Http1Pool` (a bare asyncio-protocol
+     HTTP/1.1 client): the transport the worker's generation requests go through;
    - batchfleet's dispatcher: Redis claim/finish (batched Lua) + the worker's SGLang client
      (`batchfleet.sglang.make_client` / `complete`, as the worker's keeper calls them).
    The bare loops and the dispatcher run interleaved, --rounds times each; the best and the median are
@@ -136,8 +136,8 @@ async def child_httpx(server_url: str, n: int, concurrency: int) -> dict[str, fl
 
 
 async def child_aiohttp(server_url: str, n: int, concurrency: int) -> dict[str, float]:
-    """The same loop through one aiohttp session: the ceiling of the client the worker uses for
-    generations (`batchfleet.sglang.SGLangClient`)."""
+    """The same loop through one aiohttp session: the ceiling of the client the worker used for
+    generations before `batchfleet.http1`."""
     import aiohttp
 
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4),
@@ -155,11 +155,11 @@ async def child_aiohttp(server_url: str, n: int, concurrency: int) -> dict[str, 
 
 
 async def child_http1(server_url: str, n: int, concurrency: int) -> dict[str, float]:
-    """The same loop through `bench.http1.Http1Client`, a bare asyncio-protocol HTTP/1.1 client: the
-    transport proposed for the worker's generation request (not used by the worker)."""
-    from bench.http1 import Http1Client
+    """The same loop through `batchfleet.http1.Http1Pool`, the transport under the worker's SGLang
+    client: the ceiling the dispatcher can reach."""
+    from batchfleet.http1 import Http1Pool
 
-    client = Http1Client(server_url, max_connections=concurrency + 4, timeout_s=60.0)
+    client = Http1Pool(server_url, max_connections=concurrency + 4, timeout_s=60.0)
     try:
         return await bare_loop(lambda body: client.post(URL_PATH, body), n, concurrency)
     finally:
@@ -335,9 +335,11 @@ def bench_ceiling(url: str, workdir: Path, args: argparse.Namespace) -> None:
     print(f"  bare httpx / dispatcher          : {r_bare / r_ours:9.2f}x prompts/s, "
           f"{u_ours / u_bare:.2f}x CPU per prompt (goal: within 1.3x; >= 3,000 prompts/s)")
     print(f"  bare aiohttp / dispatcher        : {r_aio / r_ours:9.2f}x prompts/s, "
-          f"{u_ours / u_aio:.2f}x CPU per prompt (the client the dispatcher uses)")
+          f"{u_ours / u_aio:.2f}x CPU per prompt (the client the dispatcher used before batchfleet.http1)")
+    print(f"  bare http1 / dispatcher          : {max(map(rate, h1)) / r_ours:9.2f}x prompts/s, "
+          f"{u_ours / min(map(us, h1)):.2f}x CPU per prompt (the transport the dispatcher uses)")
     print(f"  bare http1 / bare aiohttp        : {max(map(rate, h1)) / r_aio:9.2f}x prompts/s, "
-          f"{min(map(us, h1)) / u_aio:.2f}x CPU per prompt (the proposed transport, bench/http1.py)")
+          f"{min(map(us, h1)) / u_aio:.2f}x CPU per prompt")
 
 
 def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
@@ -359,12 +361,14 @@ def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
     if bare:
         print(line("bare httpx loop", bare))
     print(line("bare aiohttp loop", aio))
-    print(line("bare http1 loop (bench/http1.py)", h1))
+    print(line("bare http1 loop (batchfleet.http1)", h1))
     print(line("batchfleet dispatcher", ours) + f"  surplus {ours[-1].get('surplus', 0):.0f}")
     if bare:
         print(f"  dispatcher / bare httpx          : {min(map(us, ours)) / min(map(us, bare)):9.2f}x CPU per prompt "
               "(goal: <= 150 µs at 1,000/s)")
     print(f"  dispatcher / bare aiohttp        : {min(map(us, ours)) / min(map(us, aio)):9.2f}x CPU per prompt")
+    print(f"  dispatcher / bare http1          : {min(map(us, ours)) / min(map(us, h1)):9.2f}x CPU per prompt "
+          "(the transport it uses)")
     print(f"  bare http1 / bare aiohttp        : {min(map(us, h1)) / min(map(us, aio)):9.2f}x CPU per prompt")
 
 

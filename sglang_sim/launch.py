@@ -74,7 +74,11 @@ async def _serve(state: ServerState, radix: bool, faults: Faults, argv: list[str
     recorder.engine = engine
     engine.on_tick.append(recorder.on_tick)
     server = SimServer(state, engine, recorder)
-    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None)
+    # uvicorn's keep-alive timeout, as SGLang sets it (SGLANG_TIMEOUT_KEEP_ALIVE, 5 s): an idle
+    # connection is closed by the server, so a client must not send on one it kept longer.
+    keepalive_s = float(os.environ.get("SGLANG_TIMEOUT_KEEP_ALIVE", "5") or 5)
+    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=keepalive_s)
     await runner.setup()
     site = web.TCPSite(runner, flags["host"], flags["port"])
     try:

@@ -213,8 +213,7 @@ def test_report_without_its_extra_says_how_to_install(redis_url: str) -> None:
 
 
 def test_core_imports_need_no_extras() -> None:
-    """A GPU host without matplotlib runs the worker, producer and supervisor (aiohttp is core: the
-    worker's generation client)."""
+    """A GPU host without matplotlib runs the worker, producer and supervisor."""
     done = _without("matplotlib", "import worker, producer.cli, supervisor.cli, fleetrun.cli, supervisor.run")
     assert done.returncode == 0, done.stderr
 

@@ -1,6 +1,8 @@
-"""The worker's generation client (`batchfleet.sglang.make_client` + `complete`) against a raw
-HTTP/1.1 server on a real socket: keep-alive, a connection the server closed, timeouts, chunked,
-Content-Length and read-until-close replies, the API key, and how each outcome is classified."""
+"""The worker's generation client (`batchfleet.sglang.make_client` + `complete`, over
+`batchfleet.http1`) against a raw HTTP/1.1 server on a real socket: keep-alive, a connection the
+server closed (after a reply, or as the next request arrived), idle connections given up, timeouts,
+chunked, Content-Length, interim and read-until-close replies, the API key, and how each outcome is
+classified (above all: was the request perhaps inside the server?)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from batchfleet import sglang
+from batchfleet import http1, sglang
 from batchfleet.errors import PromptError, RetryableError
 from worker.dispatcher import _NOT_SENT
 
@@ -29,6 +31,7 @@ class RawServer:
     def __init__(self) -> None:
         self.requests: list[dict[str, str]] = []  # lower-cased headers + ":path" + ":conn"
         self.connections = 0
+        self.served: dict[int, int] = {}  # connection -> requests answered on it
         self.closed_by_client = asyncio.Event()
         self.server: asyncio.Server | None = None
         self.port = 0
@@ -64,6 +67,14 @@ class RawServer:
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 self.requests.append({**headers, ":path": path, ":conn": str(conn), ":method": method,
                                       ":body": body.decode()})
+                if path.startswith("/drop-if-reused") and self.served.get(conn):
+                    # the keep-alive race: the server closes a kept connection as a request arrives
+                    if path == "/drop-if-reused-and-stop":
+                        assert self.server is not None
+                        self.server.close()  # and then it is gone: a new connection is refused
+                    writer.close()
+                    return
+                self.served[conn] = self.served.get(conn, 0) + 1
                 if not await self._answer(path, reader, writer):
                     writer.close()
                     return
@@ -72,8 +83,12 @@ class RawServer:
 
     async def _answer(self, path: str, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
         """Write the reply for `path`; False closes the connection."""
-        if path == "/ok":
+        if path == "/ok" or path.startswith("/drop-if-reused"):
             w.write(reply(200, REPLY))
+        elif path == "/continue":  # an interim 100 head before the real one
+            w.write(b"HTTP/1.1 100 Continue\r\n\r\n" + reply(200, REPLY))
+        elif path == "/huge":
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n" + b"x" * 100000)
         elif path == "/chunked":
             parts = [REPLY[:10], REPLY[10:40], REPLY[40:]]
             w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
@@ -282,3 +297,77 @@ def test_control_plane_requests_still_go_through_httpx() -> None:
         assert not srv.requests[1]["user-agent"].startswith("python-httpx")
 
     run(go)
+
+
+def test_a_kept_connection_the_server_closes_as_the_request_arrives_is_retried_once_on_a_new_one() -> None:
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
+        try:
+            await sglang.complete(client, "/ok", {})
+            assert (await sglang.complete(client, "/drop-if-reused", {}))["choices"][0]["text"] == "ok"
+        finally:
+            await client.aclose()
+        # connection 1 served /ok, then took the next request and closed; it went again on connection 2
+        assert [(r[":path"], r[":conn"]) for r in srv.requests] == [
+            ("/ok", "1"), ("/drop-if-reused", "1"), ("/drop-if-reused", "2")]
+
+    run(go)
+
+
+def test_a_kept_connection_closed_by_a_server_that_is_then_gone_may_have_held_the_request() -> None:
+    """Written once on a kept connection, the request may have been inside a server that died: it is
+    not 'never sent' (a poison prompt that kills its server must get its strike)."""
+
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
+        try:
+            await sglang.complete(client, "/ok", {})
+            with pytest.raises(RetryableError) as gone:
+                await sglang.complete(client, "/drop-if-reused-and-stop", {})
+        finally:
+            await client.aclose()
+        assert gone.value.status_code is None
+        assert isinstance(gone.value.__cause__, http1.ServerClosed)
+        assert not isinstance(gone.value.__cause__, _NOT_SENT)
+        assert [r[":path"] for r in srv.requests] == ["/ok", "/drop-if-reused-and-stop"]
+
+    run(go)
+
+
+def test_an_idle_connection_is_given_up_before_the_servers_keep_alive_timeout() -> None:
+    """SGLang's server closes a connection idle for 5 s (SGLANG_TIMEOUT_KEEP_ALIVE); the client gives
+    it up first (GENERATION_KEEPALIVE_S), closing it itself, and opens a new one for the next request."""
+    assert sglang.GENERATION_KEEPALIVE_S < 5
+
+    async def go(srv: RawServer) -> None:
+        pool = http1.Http1Pool(srv.url, max_connections=4, timeout_s=30, idle_s=0.3)
+        try:
+            assert (await pool.post("/ok", b"{}"))[0] == 200
+            await asyncio.wait_for(srv.closed_by_client.wait(), 10)  # the sweep closed it, unasked
+            assert pool.open_connections == 0
+            assert (await pool.post("/ok", b"{}"))[0] == 200
+        finally:
+            await pool.aclose()
+        assert [r[":conn"] for r in srv.requests] == ["1", "2"]
+
+    run(go)
+
+
+def test_interim_heads_are_skipped_and_a_reply_over_the_limit_is_refused() -> None:
+    async def go(srv: RawServer) -> None:
+        pool = http1.Http1Pool(srv.url, max_connections=4, timeout_s=30, max_reply_bytes=50_000)
+        try:
+            assert await pool.post("/continue", b"{}") == (200, REPLY)
+            with pytest.raises(http1.ReplyError, match="larger than 50,000 bytes"):
+                await pool.post("/huge", b"{}")
+            assert await pool.post("/ok", b"{}") == (200, REPLY)
+        finally:
+            await pool.aclose()
+        assert [r[":conn"] for r in srv.requests] == ["1", "1", "2"]  # the refused reply's connection closed
+
+    run(go)
+
+
+def test_only_plain_http_urls_are_accepted() -> None:
+    with pytest.raises(ValueError, match="plain http"):
+        http1.Http1Pool("https://127.0.0.1:1", max_connections=1, timeout_s=1)

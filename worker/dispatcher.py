@@ -38,12 +38,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import httpx
 import redis
 
 from batchfleet.config import Config
 from batchfleet.errors import JobRefused, PromptError, RecordError, RetryableError
+from batchfleet.http1 import ConnectFailed
 from batchfleet.jobs import ALLOWED
 from batchfleet.keys import TRIMMED
 from batchfleet.prompts import InvalidPrompt, check_body
@@ -59,9 +59,9 @@ __all__ = ["Backend", "Dispatcher", "Flight"]
 log = logging.getLogger("batchfleet.worker.dispatcher")
 
 # A request that failed with one of these never reached the server (nothing to strike it for): no
-# connection, or none free in time (httpx on the control plane; aiohttp for generations, see sglang).
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, aiohttp.ClientConnectorError,
-             aiohttp.ConnectionTimeoutError)
+# connection, or none free in time (httpx, when a backend posts through plain httpx; http1 for the
+# worker's generations, see batchfleet.sglang).
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, ConnectFailed)
 LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
 # While part of the surplus still waits in the server, the claim loop gathers free slots this long
 # before it claims: one Redis call for several prompts. The refill delay it adds is measured with the

@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from urllib.parse import urlsplit
 
 __all__ = ["ConnectFailed", "Http1Pool", "ReplyError", "ServerClosed"]
 
 MAX_HEAD_BYTES = 64 * 1024
+# The headers that say where a reply's body ends; each on its own line of the head.
+_FRAMING = re.compile(rb"\r\n(content-length|transfer-encoding|connection)[ \t]*:([^\r\n]*)", re.IGNORECASE)
 _UNTIL_CLOSE = -3
 _CHUNKED = -2
 _NO_HEAD = -1
@@ -117,28 +120,27 @@ class _Conn(asyncio.Protocol):
                 if len(buf) > MAX_HEAD_BYTES:
                     raise ReplyError(f"reply head over {MAX_HEAD_BYTES // 1024} KiB")
                 return None
-            lines = bytes(buf[:end]).split(b"\r\n")
-            parts = lines[0].split(b" ", 2)
+            eol = buf.find(b"\r\n")
+            status_line = bytes(buf[:eol])
+            parts = status_line.split(b" ", 2)
             if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-                raise ReplyError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+                raise ReplyError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
             status = int(parts[1])
             if 100 <= status < 200:  # an interim head (100 Continue): the real one follows
                 del buf[:end + 4]
                 continue
             keep = parts[0] == b"HTTP/1.1"
             need = 0 if status in (204, 304) else _UNTIL_CLOSE
-            for h in lines[1:]:
-                name, _, value = h.partition(b":")
-                name = name.strip().lower()
+            for m in _FRAMING.finditer(buf, 0, end + 2):  # only the headers that frame the body
+                name, value = m.group(1).lower(), m.group(2).strip().lower()
                 if name == b"content-length" and need != _CHUNKED:
+                    if not value.isdigit():
+                        raise ReplyError(f"bad content-length: {value[:40]!r}")
                     need = int(value)
-                    if need < 0:
-                        raise ReplyError("negative content-length")
-                elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                elif name == b"transfer-encoding" and b"chunked" in value:
                     need = _CHUNKED
                 elif name == b"connection":
-                    v = value.strip().lower()
-                    keep = v != b"close" and (keep or v == b"keep-alive")
+                    keep = value != b"close" and (keep or value == b"keep-alive")
             if need == _UNTIL_CLOSE:
                 keep = False
             self._head = (status, end + 4, keep)
@@ -248,9 +250,12 @@ class Http1Pool:
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(self.max_reply_bytes, self.timeout_s), self.host, self.port),
-                self.connect_timeout_s)
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives as the
+            # connect fails (a server death cancels every request just as their reconnects are
+            # refused), and the cancelled request would go on.
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: _Conn(self.max_reply_bytes, self.timeout_s),
+                                                       self.host, self.port)
         except (TimeoutError, OSError) as exc:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc or type(exc).__name__}") from exc
         self.opened += 1

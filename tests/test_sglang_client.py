@@ -371,3 +371,36 @@ def test_interim_heads_are_skipped_and_a_reply_over_the_limit_is_refused() -> No
 def test_only_plain_http_urls_are_accepted() -> None:
     with pytest.raises(ValueError, match="plain http"):
         http1.Http1Pool("https://127.0.0.1:1", max_connections=1, timeout_s=1)
+
+
+def test_a_cancellation_that_arrives_as_a_connect_fails_is_not_swallowed() -> None:
+    """A server death cancels every request just as their reconnects are refused. On Python 3.11,
+    `asyncio.wait_for` turned such a cancellation into the connect's error: the request went on, and
+    the worker waited for it forever (a hung server was never restarted)."""
+
+    async def go() -> None:
+        pool = http1.Http1Pool("http://127.0.0.1:9", max_connections=2, timeout_s=5)
+        loop = asyncio.get_running_loop()
+        caller: asyncio.Task[object] | None = None
+
+        async def refused(*args: object, **kwargs: object) -> object:
+            connecting: asyncio.Future[object] = loop.create_future()
+
+            def refuse_and_cancel() -> None:  # the refusal and the cancel, in one step of the loop
+                assert caller is not None
+                connecting.set_exception(ConnectionRefusedError(111, "Connection refused"))
+                caller.cancel()
+
+            loop.call_soon(refuse_and_cancel)
+            return await connecting
+
+        loop.create_connection = refused  # type: ignore[method-assign]
+        try:
+            caller = asyncio.create_task(pool.post("/ok", b"{}"))
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+        finally:
+            del loop.create_connection
+            await pool.aclose()
+
+    asyncio.run(go())

@@ -221,3 +221,50 @@ def test_a_failure_message_quoting_a_secret_is_scrubbed_in_the_result_and_the_fa
     assert got["c1"].error["message"] == "HTTP 400: bad header Authorization: Bearer ***"
     assert b"sk-leaky-key-123" not in b"".join(v for k in r.keys("*") if r.type(k) == b"hash"
                                                for v in r.hvals(k))
+
+
+def test_a_server_death_collects_a_prompt_whose_cancellation_was_swallowed(r, redis_url):
+    """A backend that swallows the first cancellation (as asyncio.wait_for did on Python 3.11 when a
+    reconnect was refused at that moment) then waits for the server to come back. The keeper cannot
+    restart the server before `server_lost` returns: without a second cancel, both waited forever
+    (a hung server was never restarted)."""
+    enqueue(r, 2)
+    k = Keys("t")
+
+    class Stubborn:
+        def __init__(self) -> None:
+            self.started: set[str] = set()
+            self.swallowed = 0
+
+        async def __call__(self, prompt: Prompt) -> dict:
+            self.started.add(prompt.cid)
+            try:
+                await asyncio.Event().wait()  # inside the server
+            except asyncio.CancelledError:
+                self.swallowed += 1  # turned into a connection error, as wait_for did
+                raise RetryableError("ServerClosed: the connection closed") from None
+            raise AssertionError("unreachable")
+
+    async def go():
+        client = aioredis.from_url(redis_url)
+        ledger = Ledger(client, k, worker="w", lease_ttl_s=15)
+        backend = Stubborn()
+        up = False
+        d = Dispatcher(ledger, backend, config=Config(run="t"), worker="w", queues=lambda: ["gpu0"],
+                       server_ok=lambda: up)
+        await d.slots.resize(2)
+        d.accepting.set()
+        claiming = asyncio.create_task(d.run())
+        while len(backend.started) < 2:
+            await asyncio.sleep(0.01)
+        outcome = await asyncio.wait_for(d.server_lost(reason="gpu0: hung; killed", log_tail=""), 20)
+        claiming.cancel()
+        await asyncio.gather(claiming, return_exceptions=True)
+        await client.aclose()
+        return d, outcome, backend
+
+    d, outcome, backend = asyncio.run(go())
+    assert backend.swallowed == 2
+    assert d.in_flight == 0
+    assert (outcome.struck, outcome.handed_back) == (2, 0)  # both were inside: a strike each
+    assert r.llen(k.suspects) == 2 and r.zcard(k.leases) == 0

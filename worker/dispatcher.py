@@ -34,7 +34,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -444,10 +444,8 @@ class Dispatcher:
         open_ = [(t, f) for t, f in self.tasks.items() if not f.settled]
         open_.sort(key=lambda tf: tf[1].sent_at if tf[1].inside else float("inf"), reverse=True)
         youngest = [t for t, _ in open_[:extra]]
-        for task in youngest:
-            task.cancel()
         if youngest:
-            await asyncio.gather(*youngest, return_exceptions=True)
+            await _cancel_and_wait(youngest)
             log.info("handed back %d surplus prompt(s) waiting in the server", len(youngest))
 
     async def server_lost(self, *, reason: str, log_tail: str) -> DeathOutcome:
@@ -456,11 +454,9 @@ class Dispatcher:
         untouched. A prompt alone in the server at its MAX_STRIKES-th death is quarantined."""
         self.accepting.clear()
         flights = list(self.tasks.items())
-        for task, flight in flights:
+        for _, flight in flights:
             flight.collected = True
-            task.cancel()
-        if flights:
-            await asyncio.gather(*(t for t, _ in flights), return_exceptions=True)
+        await _cancel_and_wait([t for t, _ in flights])
         open_flights = [f for _, f in flights if not f.settled]
         inside = [f for f in open_flights if f.inside]
         outside = [f.claim for f in open_flights if not f.inside]
@@ -497,11 +493,9 @@ class Dispatcher:
         is closed: the server aborts it), release its lease and publish nothing. Returns how many."""
         self.cancelled = True
         flights = [(t, f) for t, f in self.tasks.items() if not f.settled]
-        for task, flight in flights:
+        for _, flight in flights:
             flight.lost = True
-            task.cancel()
-        if flights:
-            await asyncio.gather(*(t for t, _ in flights), return_exceptions=True)
+        await _cancel_and_wait([t for t, _ in flights])
         dropped = [f for _, f in flights if not f.settled]
         await self.ledger.drop([f.claim for f in dropped])
         self.dropped += len(dropped)
@@ -527,10 +521,7 @@ class Dispatcher:
             pending = list(self.tasks)
             if pending:
                 _, still = await asyncio.wait(pending, timeout=timeout_s)
-                for task in still:
-                    task.cancel()
-                if still:
-                    await asyncio.gather(*still, return_exceptions=True)
+                await _cancel_and_wait(still)
             await self.ledger.flush()
         finally:
             self.draining = False
@@ -538,6 +529,21 @@ class Dispatcher:
         if handed:
             log.info("handed back %d in-flight prompt(s)", handed)
         return handed
+
+
+async def _cancel_and_wait(tasks: Iterable[asyncio.Task[None]], *, again_s: float = 1.0) -> None:
+    """Cancel these tasks and wait until each has ended. A cancellation can be swallowed (a library
+    that turns it into an error of its own: asyncio.wait_for on Python 3.11, redis-py), and the task
+    then goes on, maybe waiting for the very server its collector is about to restart: whatever is
+    still running after `again_s` is cancelled again, until it ends."""
+    pending = {t for t in tasks if not t.done()}
+    for task in pending:
+        task.cancel()
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=again_s)
+        for task in pending:
+            log.warning("%s survived its cancellation; cancelling it again", task.get_name())
+            task.cancel()
 
 
 class _Trimmed(Exception):

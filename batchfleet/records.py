@@ -105,11 +105,25 @@ def _record_type(hint: Any) -> type | None:
 
 
 # Per record type, worked out once (decode runs for every prompt a worker takes): field name ->
-# (type hint, nested record type, StrEnum type), and the set of known names.
-_PLANS: dict[type, tuple[frozenset[str], dict[str, tuple[Any, type | None, type | None]]]] = {}
+# (its type check, nested record type, StrEnum type), and the set of known names.
+Check = typing.Callable[[Any], bool]
+_PLANS: dict[type, tuple[frozenset[str], dict[str, tuple[Check, type | None, type | None]]]] = {}
 
 
-def _plan(cls: type) -> tuple[frozenset[str], dict[str, tuple[Any, type | None, type | None]]]:
+def _check_for(hint: Any) -> Check:
+    """The type check of one field, as a bare isinstance wherever the hint allows (it runs for every
+    field of every prompt a worker takes)."""
+    origin = typing.get_origin(hint)
+    if hint in (str, bool, dict, list):
+        return lambda v, t=hint: isinstance(v, t)
+    if hint is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if origin in (dict, list):  # dict[str, Any], list[str]: the container is checked, not its items
+        return lambda v, t=origin: isinstance(v, t)
+    return lambda v: _type_ok(v, hint)
+
+
+def _plan(cls: type) -> tuple[frozenset[str], dict[str, tuple[Check, type | None, type | None]]]:
     plan = _PLANS.get(cls)
     if plan is None:
         hints = typing.get_type_hints(cls)
@@ -117,12 +131,9 @@ def _plan(cls: type) -> tuple[frozenset[str], dict[str, tuple[Any, type | None, 
         for f in fields(cls):  # type: ignore[arg-type]
             hint = hints[f.name]
             enum = hint if isinstance(hint, type) and issubclass(hint, StrEnum) else None
-            per_field[f.name] = (hint, _record_type(hint), enum)
+            per_field[f.name] = (_check_for(hint), _record_type(hint), enum)
         plan = _PLANS[cls] = (frozenset(per_field), per_field)
     return plan
-
-
-_PLAIN = {str: str, bool: bool}  # hints whose check is a bare isinstance
 
 
 def decode(cls: type[R], data: Any) -> R:
@@ -142,9 +153,8 @@ def decode(cls: type[R], data: Any) -> R:
         entry = per_field.get(name)
         if entry is None:
             continue
-        hint, sub, enum = entry
-        plain = _PLAIN.get(hint)
-        if not (isinstance(value, plain) if plain is not None else _type_ok(value, hint)):
+        check, sub, enum = entry
+        if not check(value):
             raise RecordError(f"{cls.__name__}.{name}: unexpected value {orjson.dumps(value).decode()[:60]}")
         if sub is not None and isinstance(value, dict):
             value = decode(sub, value)

@@ -22,7 +22,7 @@
 
     python bench/bench_dispatch.py [--jobs 20000] [--baseline-jobs 2000] [--concurrency 128] [--rounds 3]
                                    [--paced-rate 1000] [--paced-jobs 10000] [--memory-jobs 100000]
-                                   [--only ceiling,paced,memory] [--profile out.prof]
+                                   [--only ceiling,paced,memory] [--profile out.prof] [--loop auto|uvloop|asyncio]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from batchfleet import sglang  # noqa: E402
-from batchfleet.config import Config  # noqa: E402
+from batchfleet.config import EVENT_LOOPS, Config  # noqa: E402
 from batchfleet.keys import Keys  # noqa: E402
 from bench.instant import instant_backend  # noqa: E402
 from bench.redisproc import PrivateRedis  # noqa: E402
@@ -59,6 +59,7 @@ from producer.collect import collect_once  # noqa: E402
 from producer.export import export  # noqa: E402
 from producer.store import Store  # noqa: E402
 from worker.dispatcher import Dispatcher  # noqa: E402
+from worker.eventloop import loop_factory  # noqa: E402
 from worker.ledger import Ledger  # noqa: E402
 
 URL_PATH = "/v1/completions"
@@ -202,6 +203,7 @@ def child_main(argv: list[str]) -> None:
     ap.add_argument("-n", type=int, required=True)
     ap.add_argument("-c", "--concurrency", type=int, default=128)
     ap.add_argument("--profile", default="")
+    ap.add_argument("--loop", default="auto", choices=EVENT_LOOPS)
     a = ap.parse_args(argv)
     prof = None
     if a.profile:
@@ -209,16 +211,20 @@ def child_main(argv: list[str]) -> None:
 
         prof = cProfile.Profile()
         prof.enable()
-    if a.mode == "simpleworker":
-        out = child_simpleworker(a.redis_url, a.n)
-    elif a.mode == "httpx":
-        out = asyncio.run(child_httpx(a.server_url, a.n, a.concurrency))
-    elif a.mode == "aiohttp":
-        out = asyncio.run(child_aiohttp(a.server_url, a.n, a.concurrency))
-    elif a.mode == "http1":
-        out = asyncio.run(child_http1(a.server_url, a.n, a.concurrency))
-    else:
-        out = asyncio.run(child_ours(a.redis_url, a.server_url, a.run, a.n, a.concurrency))
+    # Every asyncio contender runs on the event loop the worker runs on (worker.eventloop): the
+    # figures compare clients and bookkeeping, not loops.
+    with asyncio.Runner(loop_factory=loop_factory(a.loop)) as runner:
+        if a.mode == "simpleworker":
+            out = child_simpleworker(a.redis_url, a.n)
+        elif a.mode == "httpx":
+            out = runner.run(child_httpx(a.server_url, a.n, a.concurrency))
+        elif a.mode == "aiohttp":
+            out = runner.run(child_aiohttp(a.server_url, a.n, a.concurrency))
+        elif a.mode == "http1":
+            out = runner.run(child_http1(a.server_url, a.n, a.concurrency))
+        else:
+            out = runner.run(child_ours(a.redis_url, a.server_url, a.run, a.n, a.concurrency))
+        out["loop"] = type(runner.get_loop()).__module__.split(".")[0]
     if prof is not None:
         prof.disable()
         prof.dump_stats(a.profile)
@@ -256,7 +262,12 @@ class InstantServer:
         self.proc.wait(10)
 
 
+LOOP = "auto"  # --loop: the event loop of every asyncio contender (the worker's: worker.eventloop)
+
+
 def run_child(*args: str, env: dict[str, str] | None = None) -> dict[str, float]:
+    if "--loop" not in args:
+        args = (*args, "--loop", LOOP)
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *args], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=1800)
     if done.returncode != 0:
@@ -282,10 +293,12 @@ def enqueue_simpleworker(url: str, n: int) -> None:
 
 
 def measure_ours(url: str, server: InstantServer, n: int, concurrency: int, workdir: Path, run: str,
-                 profile: str = "") -> dict[str, float]:
+                 profile: str = "", loop: str = "") -> dict[str, float]:
     redis.Redis.from_url(url).flushall()
     enqueue_ours(url, n, workdir, run, max_tokens=1)
     extra = ["--profile", profile] if profile else []
+    if loop:
+        extra += ["--loop", loop]
     return run_child("ours", "--redis-url", url, "--server-url", server.url, "--run", run, "-n", str(n),
                      "-c", str(concurrency), *extra)
 
@@ -322,7 +335,8 @@ def bench_ceiling(url: str, workdir: Path, args: argparse.Namespace) -> None:
             h1.append(run_child("http1", "--server-url", server.url, "-n", str(args.jobs), "-c", str(c)))
             ours.append(measure_ours(url, server, args.jobs, c, workdir, f"ceiling{i}",
                                      args.profile if i == args.rounds - 1 else ""))
-    print(f"HTTP dispatch ceiling: one process, instant HTTP server (own process), max_tokens 1, {c} in flight")
+    print(f"HTTP dispatch ceiling: one process, instant HTTP server (own process), max_tokens 1, {c} in flight; "
+          f"event loop: {ours[-1]['loop']}")
     print(line("RQ SimpleWorker (httpx.Client)", [sw]))
     print(line(f"bare httpx loop ({c} coroutines)", bare))
     print(line(f"bare aiohttp loop ({c} coroutines)", aio))
@@ -348,6 +362,7 @@ def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
     aio: list[dict[str, float]] = []
     h1: list[dict[str, float]] = []
     ours: list[dict[str, float]] = []
+    ours_std: list[dict[str, float]] = []  # the dispatcher on the standard library's loop, when the worker's is not
     with InstantServer(delay_s=c / target, capacity=c) as server:
         for i in range(args.rounds):
             if not args.paced_no_httpx:
@@ -356,13 +371,21 @@ def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
             aio.append(run_child("aiohttp", "--server-url", server.url, "-n", str(args.paced_jobs), "-c", str(c)))
             h1.append(run_child("http1", "--server-url", server.url, "-n", str(args.paced_jobs), "-c", str(c)))
             ours.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"paced{i}"))
+            if ours[-1]["loop"] != "asyncio":
+                ours_std.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"pacedstd{i}",
+                                             loop="asyncio"))
     print(f"paced: the server runs {c} at once for {c / target * 1000:.0f} ms each (mean) -> at most "
-          f"{target:,} prompts/s")
+          f"{target:,} prompts/s; event loop: {ours[-1]['loop']}")
     if bare:
         print(line("bare httpx loop", bare))
     print(line("bare aiohttp loop", aio))
     print(line("bare http1 loop (batchfleet.http1)", h1))
     print(line("batchfleet dispatcher", ours) + f"  surplus {ours[-1].get('surplus', 0):.0f}")
+    if ours_std:
+        print(line("dispatcher, asyncio's own loop", ours_std))
+        print(f"  dispatcher {ours[-1]['loop']} / asyncio loop  : {min(map(us, ours)) / min(map(us, ours_std)):9.2f}x "
+              "CPU per prompt (best), "
+              f"{statistics.median(map(us, ours)) / statistics.median(map(us, ours_std)):.2f}x (median)")
     if bare:
         print(f"  dispatcher / bare httpx          : {min(map(us, ours)) / min(map(us, bare)):9.2f}x CPU per prompt "
               "(goal: <= 150 µs at 1,000/s)")
@@ -433,7 +456,11 @@ def main() -> None:
     ap.add_argument("--memory-jobs", type=int, default=100_000)
     ap.add_argument("--only", default="ceiling,paced,memory")
     ap.add_argument("--profile", default="", help="cProfile the dispatcher's last ceiling run into this file")
+    ap.add_argument("--loop", default="auto", choices=EVENT_LOOPS,
+                    help="event loop of every asyncio contender (default: the worker's, uvloop when installed)")
     args = ap.parse_args()
+    global LOOP
+    LOOP = args.loop
     parts = set(args.only.split(","))
     print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores)")
     with PrivateRedis() as redis_proc, tempfile.TemporaryDirectory() as tmp:

@@ -27,6 +27,7 @@ def test_values_are_typed_and_redis_url_falls_back_to_rqs_variable():
     ({"BATCHFLEET_LEASE_TTL_S": "soon"}, "BATCHFLEET_LEASE_TTL_S='soon'"),
     ({"BATCHFLEET_RUN": "a b"}, "run name"),
     ({"BATCHFLEET_SERVER_ARGS": "--x 'unclosed"}, "do not parse"),
+    ({"BATCHFLEET_EVENT_LOOP": "trio"}, "event_loop 'trio' is not one of auto, uvloop, asyncio"),
 ])
 def test_mistakes_are_errors(env, message):
     with pytest.raises(ConfigError, match=message):
@@ -46,3 +47,22 @@ def test_surplus_is_unset_zero_or_a_positive_number():
     assert Config.from_env({"BATCHFLEET_SURPLUS": "4"}).surplus == 4
     with pytest.raises(ConfigError, match="surplus"):
         Config.from_env({"BATCHFLEET_SURPLUS": "-1"})
+
+
+def test_the_worker_runs_on_uvloop_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch):
+    import asyncio
+    import sys
+
+    import uvloop
+
+    from worker.eventloop import loop_factory
+
+    assert loop_factory("auto") is uvloop.new_event_loop
+    assert loop_factory("uvloop") is uvloop.new_event_loop
+    assert loop_factory("asyncio") is None
+    with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:
+        assert isinstance(runner.get_loop(), uvloop.Loop)
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed
+    assert loop_factory("auto") is None
+    with pytest.raises(ConfigError, match="uvloop is not installed"):
+        loop_factory("uvloop")

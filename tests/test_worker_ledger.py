@@ -56,6 +56,9 @@ def test_claim_takes_own_queue_first_then_others(r, redis_url):
     assert Job.fetch(own[0], connection=r, serializer=OrjsonSerializer).get_status() == JobStatus.STARTED
 
 
+MESSAGE = "too long — « 9 000 » tokens; a b\n2 3 gpu0"  # multi-byte, spaces, digits: as packed for the script
+
+
 def test_finish_success_and_failure(r, redis_url):
     ok_id, bad_id = enqueue(r, "gpu0", 2)
     k = Keys("t")
@@ -66,7 +69,7 @@ def test_finish_success_and_failure(r, redis_url):
         ledger.finish(a, Result(cid="c0", jid=a.jid, seq=0, status_code=200,
                                 body={"usage": {"completion_tokens": 7}}))
         ledger.finish(b, Result(cid="c1", jid=b.jid, seq=1, status_code=400,
-                                error={"code": "invalid_prompt", "message": "too long"}), "invalid_prompt: too long")
+                                error={"code": "invalid_prompt", "message": MESSAGE}), f"invalid_prompt: {MESSAGE}")
         await ledger.flush()
 
     run(go())
@@ -79,6 +82,8 @@ def test_finish_success_and_failure(r, redis_url):
     entries = r.xrange(k.results)
     results = [Result.from_json(fields[b"r"]) for _, fields in entries]
     assert [(x.cid, x.ok) for x in results] == [("c0", True), ("c1", False)]
+    assert results[1].error == {"code": "invalid_prompt", "message": MESSAGE}
+    assert r.hget(Keys.job(bad_id), "exc_info").decode() == f"invalid_prompt: {MESSAGE}"
     assert r.smembers(k.done) == {ok_id.encode(), bad_id.encode()}
     stats = {kk.decode(): int(v) for kk, v in r.hgetall(k.stats).items()}
     assert stats["succeeded"] == 1 and stats["failed"] == 1 and stats["completion_tokens"] == 7

@@ -31,6 +31,7 @@ from batchfleet.errors import ConfigError
 from batchfleet.redact import Scrubber, install_log_scrubbing
 from batchfleet.serializer import OrjsonSerializer
 
+from .eventloop import loop_factory
 from .lock import ServerLock, ServerTaken
 from .service import GPUService
 
@@ -78,6 +79,7 @@ class GPUWorker(BaseWorker):
             if gpu is None:
                 raise ConfigError(f"queue {queue!r} names no GPU: its last part must be gpuN (gpu3, hostb.gpu3) "
                                   "or set BATCHFLEET_GPU")
+            new_loop = loop_factory(config.event_loop)
         except ConfigError as exc:
             log.error("%s", exc)
             sys.exit(EXIT_CONFIG)
@@ -93,7 +95,8 @@ class GPUWorker(BaseWorker):
         install_log_scrubbing(scrub)  # RQ's own handlers exist now
         code = 1
         try:
-            code = asyncio.run(self._serve(config, queue, gpu, burst))
+            with asyncio.Runner(loop_factory=new_loop) as runner:
+                code = runner.run(self._serve(config, queue, gpu, burst))
         finally:
             self.teardown()
             lock.release()

@@ -179,8 +179,9 @@ class ServerKeeper:
         finished_then = self._finished()
         trouble = self.dispatcher.trouble
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(trouble.wait(), timeout=1.0)
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel
+                async with asyncio.timeout(1.0):
+                    await trouble.wait()
             if trouble.is_set():  # a request broke without an answer: has the process exited?
                 await self._settle_exit()
                 if self.server.running:

@@ -118,6 +118,8 @@ class Config:
                 raise ConfigError(f"{name} must be positive")
         if self.surplus is not None and self.surplus < 0:
             raise ConfigError("surplus must be 0 (none), a positive number, or unset (sized from turnover)")
+        if any(c in self.server_api_key for c in "\r\n\0"):
+            raise ConfigError("server_api_key holds a line break or NUL: it could not travel in a header")
         if self.event_loop not in EVENT_LOOPS:
             raise ConfigError(f"event_loop {self.event_loop!r} is not one of {', '.join(EVENT_LOOPS)}")
         if self.max_attempts < 1:

@@ -197,6 +197,9 @@ class Http1Pool:
         self.idle_s = idle_s
         self.max_reply_bytes = max_reply_bytes
         netloc = u.netloc.rpartition("@")[2]
+        for k, v in (headers or {}).items():
+            if any(c in f"{k}{v}" for c in "\r\n\0") or ":" in k:
+                raise ValueError(f"header {k[:40]!r}: no line breaks or NULs in a header, no ':' in its name")
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._prefix = (f"Host: {netloc}\r\nUser-Agent: batchfleet\r\nAccept: application/json\r\n"
                         f"Content-Type: application/json\r\n{extra}").encode("latin-1")

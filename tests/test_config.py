@@ -28,6 +28,7 @@ def test_values_are_typed_and_redis_url_falls_back_to_rqs_variable():
     ({"BATCHFLEET_RUN": "a b"}, "run name"),
     ({"BATCHFLEET_SERVER_ARGS": "--x 'unclosed"}, "do not parse"),
     ({"BATCHFLEET_EVENT_LOOP": "trio"}, "event_loop 'trio' is not one of auto, uvloop, asyncio"),
+    ({"BATCHFLEET_SERVER_API_KEY": "k\r\nX-Evil: 1"}, "line break or NUL"),
 ])
 def test_mistakes_are_errors(env, message):
     with pytest.raises(ConfigError, match=message):

@@ -368,9 +368,12 @@ def test_interim_heads_are_skipped_and_a_reply_over_the_limit_is_refused() -> No
     run(go)
 
 
-def test_only_plain_http_urls_are_accepted() -> None:
+def test_only_plain_http_urls_and_single_line_headers_are_accepted() -> None:
     with pytest.raises(ValueError, match="plain http"):
         http1.Http1Pool("https://127.0.0.1:1", max_connections=1, timeout_s=1)
+    with pytest.raises(ValueError, match="no line breaks"):  # an API key cannot smuggle in a header
+        http1.Http1Pool("http://127.0.0.1:1", max_connections=1, timeout_s=1,
+                        headers={"Authorization": "Bearer k\r\nX-Evil: 1"})
 
 
 def test_a_cancellation_that_arrives_as_a_connect_fails_is_not_swallowed() -> None:

@@ -14,7 +14,7 @@ from batchfleet.keys import Keys
 from batchfleet.records import Prompt, job_id_for
 from worker.dispatcher import Dispatcher
 from worker.ledger import Ledger
-from worker.slots import Turnover, surplus_cap
+from worker.slots import Slots, Turnover, surplus_cap
 
 from .test_worker_dispatch import enqueue, results
 
@@ -29,6 +29,33 @@ def test_turnover_sizes_the_surplus_from_bursts_of_finishes_within_a_round_trip(
     assert t.surplus(1.6, 8) == 6
     assert t.surplus(1.6, 4) == 4  # never past the cap
     assert t.surplus(30.0, 8) == 1  # forgotten after the horizon
+
+
+def test_the_claim_loop_gathers_until_half_the_surplus_is_used_or_the_time_is_up() -> None:
+    """`Slots.wait_free`: wakes on the release that frees the n-th slot (not on each release before),
+    or when the time is up; a waiter for one slot is still woken by the first release."""
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        slots = Slots(10)
+        await slots.acquire_up_to(10)
+        gatherer = asyncio.create_task(slots.wait_free(3, 5.0))
+        one = asyncio.create_task(slots.acquire())
+        await asyncio.sleep(0)
+        slots.release()
+        await asyncio.sleep(0)
+        assert one.done() and not gatherer.done()  # 1 free: the single waiter took it; 0 left
+        slots.release()
+        slots.release()
+        await asyncio.sleep(0)
+        assert not gatherer.done()  # 2 free
+        slots.release()
+        await asyncio.wait_for(gatherer, 1)  # 3 free: at once, not after 5 s
+        t0 = loop.time()
+        await slots.wait_free(5, 0.05)  # 3 free, 5 asked: the time runs out
+        assert 0.04 <= loop.time() - t0 < 1.0 and slots.free == 3 and not slots._waiters
+
+    asyncio.run(go())
 
 
 def test_surplus_cap() -> None:

@@ -18,7 +18,7 @@ class Slots:
     def __init__(self, capacity: int = 0) -> None:
         self._capacity = capacity
         self.in_use = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: list[tuple[asyncio.Future[None], int]] = []  # (woken when free >= n, n)
         self.freed_at: float | None = None  # monotonic time of the first release since `take_freed_at`
 
     @property
@@ -44,17 +44,41 @@ class Slots:
     async def acquire_up_to(self, n: int) -> int:
         """Wait until at least one slot is free, then take up to `n`; return how many were taken."""
         while self.free <= 0:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            except asyncio.CancelledError:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(fut)
-                raise
+            await self._until_free(1)
         took = min(n, self.free)
         self.in_use += took
         return took
+
+    async def wait_free(self, n: int, timeout_s: float) -> None:
+        """Wait until at least `n` slots are free, or for `timeout_s`, whichever comes first (the
+        claim loop gathers free slots into one claim). Takes nothing."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.free < n:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            fut: asyncio.Future[None] = loop.create_future()
+            entry = (fut, n)
+            self._waiters.append(entry)
+            timer = loop.call_later(left, _resolve, fut)
+            try:
+                await fut
+            finally:
+                timer.cancel()
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+
+    async def _until_free(self, n: int) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (fut, n)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(entry)
+            raise
 
     async def acquire(self) -> None:
         await self.acquire_up_to(1)
@@ -66,13 +90,35 @@ class Slots:
         self._wake()
 
     def _wake(self) -> None:
-        """Wake every waiter while slots are free (each re-checks; those that find none wait again)."""
-        if self.free <= 0:
+        """Wake the waiters that enough slots are free for (each re-checks; one that finds too few
+        waits again). Waiters are few: the claim loop and prompts waiting to retry."""
+        waiters = self._waiters
+        if not waiters:
             return
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
+        free = self.free
+        if free <= 0:
+            return
+        if len(waiters) == 1:  # the usual case (the claim loop alone): nothing to allocate per release
+            fut, n = waiters[0]
+            if fut.done() or n <= free:
+                waiters.clear()
+                if not fut.done():
+                    fut.set_result(None)
+            return
+        still = []
+        for fut, n in self._waiters:
+            if fut.done():
+                continue
+            if n <= free:
                 fut.set_result(None)
+            else:
+                still.append((fut, n))
+        self._waiters = still
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def surplus_cap(base: int, configured: int | None) -> int:

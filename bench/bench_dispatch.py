@@ -23,6 +23,7 @@
     python bench/bench_dispatch.py [--jobs 20000] [--baseline-jobs 2000] [--concurrency 128] [--rounds 3]
                                    [--paced-rate 1000] [--paced-jobs 10000] [--memory-jobs 100000]
                                    [--only ceiling,paced,memory] [--profile out.prof] [--loop auto|uvloop|asyncio]
+                                   [--baseline-checkout DIR]
 """
 
 from __future__ import annotations
@@ -275,6 +276,18 @@ def run_child(*args: str, env: dict[str, str] | None = None) -> dict[str, float]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def run_checkout_child(checkout: Path, *args: str) -> dict[str, float]:
+    """This benchmark's child, as another checkout has it (`git worktree add DIR <rev>`), run with that
+    checkout's own venv when it has one: an older version's dispatcher, measured in the same run."""
+    python = checkout / ".venv" / "bin" / "python"
+    done = subprocess.run([str(python if python.exists() else sys.executable),
+                           str(checkout / "bench" / "bench_dispatch.py"), "--child", *args], cwd=checkout,
+                          capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"child of {checkout} failed:\n{done.stdout}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def enqueue_ours(url: str, n: int, workdir: Path, run: str, max_tokens: int = 64) -> tuple[Config, Store]:
     # a window as large as the run: every prompt in Redis before the clock starts
     config = Config(run=run, redis_url=url, state_dir=workdir / run, queues=("gpu0",), window_default=n,
@@ -363,6 +376,7 @@ def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
     h1: list[dict[str, float]] = []
     ours: list[dict[str, float]] = []
     ours_std: list[dict[str, float]] = []  # the dispatcher on the standard library's loop, when the worker's is not
+    older: list[dict[str, float]] = []  # another checkout's dispatcher (--baseline-checkout)
     with InstantServer(delay_s=c / target, capacity=c) as server:
         for i in range(args.rounds):
             if not args.paced_no_httpx:
@@ -374,6 +388,12 @@ def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
             if ours[-1]["loop"] != "asyncio":
                 ours_std.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"pacedstd{i}",
                                              loop="asyncio"))
+            if args.baseline_checkout:
+                redis.Redis.from_url(url).flushall()
+                enqueue_ours(url, args.paced_jobs, workdir, f"pacedold{i}", max_tokens=1)
+                older.append(run_checkout_child(args.baseline_checkout, "ours", "--redis-url", url, "--server-url",
+                                                server.url, "--run", f"pacedold{i}", "-n", str(args.paced_jobs),
+                                                "-c", str(c)))
     print(f"paced: the server runs {c} at once for {c / target * 1000:.0f} ms each (mean) -> at most "
           f"{target:,} prompts/s; event loop: {ours[-1]['loop']}")
     if bare:
@@ -386,6 +406,11 @@ def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
         print(f"  dispatcher {ours[-1]['loop']} / asyncio loop  : {min(map(us, ours)) / min(map(us, ours_std)):9.2f}x "
               "CPU per prompt (best), "
               f"{statistics.median(map(us, ours)) / statistics.median(map(us, ours_std)):.2f}x (median)")
+    if older:
+        print(line(f"dispatcher of {args.baseline_checkout.name}", older))
+        print(f"  dispatcher / {args.baseline_checkout.name:<19}: {min(map(us, ours)) / min(map(us, older)):9.2f}x "
+              f"CPU per prompt (best), {statistics.median(map(us, ours)) / statistics.median(map(us, older)):.2f}x "
+              "(median)")
     if bare:
         print(f"  dispatcher / bare httpx          : {min(map(us, ours)) / min(map(us, bare)):9.2f}x CPU per prompt "
               "(goal: <= 150 µs at 1,000/s)")
@@ -456,6 +481,9 @@ def main() -> None:
     ap.add_argument("--memory-jobs", type=int, default=100_000)
     ap.add_argument("--only", default="ceiling,paced,memory")
     ap.add_argument("--profile", default="", help="cProfile the dispatcher's last ceiling run into this file")
+    ap.add_argument("--baseline-checkout", type=Path, default=None,
+                    help="paced: also run the dispatcher of this checkout (e.g. `git worktree add /tmp/before REV`), "
+                         "with its own .venv if it has one, interleaved")
     ap.add_argument("--loop", default="auto", choices=EVENT_LOOPS,
                     help="event loop of every asyncio contender (default: the worker's, uvloop when installed)")
     args = ap.parse_args()

@@ -209,7 +209,6 @@ class Http1Pool:
         self._sweeper: asyncio.Task[None] | None = None
         self._sweep_s = min(1.0, max(0.05, timeout_s / 4))
         self._closed = False
-        self.opened = 0  # connections opened so far (tests and benchmarks read it)
 
     @property
     def open_connections(self) -> int:
@@ -261,7 +260,6 @@ class Http1Pool:
                                                        self.host, self.port)
         except (TimeoutError, OSError) as exc:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc or type(exc).__name__}") from exc
-        self.opened += 1
         return conn
 
     async def _exchange(self, conn: _Conn, request: bytes) -> tuple[int, bytes]:

@@ -268,3 +268,53 @@ def test_a_server_death_collects_a_prompt_whose_cancellation_was_swallowed(r, re
     assert d.in_flight == 0
     assert (outcome.struck, outcome.handed_back) == (2, 0)  # both were inside: a strike each
     assert r.llen(k.suspects) == 2 and r.zcard(k.leases) == 0
+
+
+def test_a_drain_waits_for_a_slow_hand_back_and_counts_it(r, redis_url, caplog):
+    """Redis answers slowly while a drain hands back the prompts still in flight (each hand back
+    takes 2.5 s here). The collector must wait for those writes, not cancel them again after a
+    second: that detached the shielded hand back, the drain returned before it was written, counted
+    0 handed back and warned that each task "survived its cancellation"."""
+    jids = enqueue(r, 3)
+    k = Keys("t")
+
+    class Forever:
+        def __init__(self) -> None:
+            self.started = 0
+
+        async def __call__(self, prompt: Prompt) -> dict:
+            self.started += 1
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+    async def go():
+        client = aioredis.from_url(redis_url)
+        ledger = Ledger(client, k, worker="w", lease_ttl_s=15)
+        real = ledger.hand_back
+
+        async def slow_hand_back(claims):
+            await asyncio.sleep(2.5)
+            return await real(claims)
+
+        ledger.hand_back = slow_hand_back  # type: ignore[method-assign]
+        backend = Forever()
+        d = Dispatcher(ledger, backend, config=Config(run="t"), worker="w", queues=lambda: ["gpu0"])
+        await d.slots.resize(3)
+        d.accepting.set()
+        claiming = asyncio.create_task(d.run())
+        while backend.started < 3:
+            await asyncio.sleep(0.01)
+        handed = await asyncio.wait_for(d.drain(0.1), 30)
+        queued_at_return = r.llen("rq:queue:gpu0")
+        claiming.cancel()
+        await asyncio.gather(claiming, return_exceptions=True)
+        await client.aclose()
+        return d, handed, queued_at_return
+
+    with caplog.at_level("WARNING", logger="batchfleet.worker.dispatcher"):
+        d, handed, queued_at_return = asyncio.run(go())
+    assert handed == 3 and d.handed_back == 3
+    assert queued_at_return == 3  # every hand back was written before the drain returned
+    assert sorted(x.decode() for x in r.lrange("rq:queue:gpu0", 0, -1)) == sorted(jids)
+    assert r.zcard(k.leases) == 0
+    assert not [rec for rec in caplog.records if "survived its cancellation" in rec.getMessage()]

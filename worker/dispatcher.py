@@ -440,6 +440,13 @@ class Dispatcher:
         self.handed_back += n
 
     # --- control ----------------------------------------------------------------------------------------
+    async def _collect(self, tasks: Iterable[asyncio.Task[None]]) -> None:
+        """Cancel these prompts' tasks and wait until each has ended, its hand back (if any) written."""
+        def finishing(task: asyncio.Task[None]) -> bool:
+            flight = self.tasks.get(task)
+            return flight is not None and flight.settled
+        await _cancel_and_wait(tasks, finishing=finishing)
+
     async def _hand_back_surplus(self) -> None:
         """At a drain, the prompts beyond the server's capacity are (most likely) still waiting in its
         queue: hand them back now, untouched, rather than let them start and stretch the drain. Those
@@ -451,7 +458,7 @@ class Dispatcher:
         open_.sort(key=lambda tf: tf[1].sent_at if tf[1].inside else float("inf"), reverse=True)
         youngest = [t for t, _ in open_[:extra]]
         if youngest:
-            await _cancel_and_wait(youngest)
+            await self._collect(youngest)
             log.info("handed back %d surplus prompt(s) waiting in the server", len(youngest))
 
     async def server_lost(self, *, reason: str, log_tail: str) -> DeathOutcome:
@@ -462,7 +469,7 @@ class Dispatcher:
         flights = list(self.tasks.items())
         for _, flight in flights:
             flight.collected = True
-        await _cancel_and_wait([t for t, _ in flights])
+        await self._collect([t for t, _ in flights])
         open_flights = [f for _, f in flights if not f.settled]
         inside = [f for f in open_flights if f.inside]
         outside = [f.claim for f in open_flights if not f.inside]
@@ -501,7 +508,7 @@ class Dispatcher:
         flights = [(t, f) for t, f in self.tasks.items() if not f.settled]
         for _, flight in flights:
             flight.lost = True
-        await _cancel_and_wait([t for t, _ in flights])
+        await self._collect([t for t, _ in flights])
         dropped = [f for _, f in flights if not f.settled]
         await self.ledger.drop([f.claim for f in dropped])
         self.dropped += len(dropped)
@@ -527,7 +534,7 @@ class Dispatcher:
             pending = list(self.tasks)
             if pending:
                 _, still = await asyncio.wait(pending, timeout=timeout_s)
-                await _cancel_and_wait(still)
+                await self._collect(still)
             await self.ledger.flush()
         finally:
             self.draining = False
@@ -537,17 +544,28 @@ class Dispatcher:
         return handed
 
 
-async def _cancel_and_wait(tasks: Iterable[asyncio.Task[None]], *, again_s: float = 1.0) -> None:
+async def _cancel_and_wait(tasks: Iterable[asyncio.Task[None]], *, again_s: float = 1.0,
+                           finishing: Callable[[asyncio.Task[None]], bool] = lambda task: False,
+                           finishing_s: float = 30.0) -> None:
     """Cancel these tasks and wait until each has ended. A cancellation can be swallowed (a library
     that turns it into an error of its own: asyncio.wait_for on Python 3.11, redis-py), and the task
     then goes on, maybe waiting for the very server its collector is about to restart: whatever is
-    still running after `again_s` is cancelled again, until it ends."""
+    still running after `again_s` is cancelled again, until it ends.
+
+    A task that is `finishing` took its cancellation and is writing its last word to Redis (a hand
+    back, under `asyncio.shield`): cancelling it again would only detach that write, and the caller
+    would count and log too early. It is left alone for `finishing_s` (more than a Redis command's
+    socket timeout), then cancelled again like the rest."""
     pending = {t for t in tasks if not t.done()}
     for task in pending:
         task.cancel()
+    waited = 0.0
     while pending:
         _, pending = await asyncio.wait(pending, timeout=again_s)
+        waited += again_s
         for task in pending:
+            if finishing(task) and waited < finishing_s:
+                continue
             log.warning("%s survived its cancellation; cancelling it again", task.get_name())
             task.cancel()
 

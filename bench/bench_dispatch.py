@@ -16,14 +16,19 @@
    The bare loops and the dispatcher run interleaved, --rounds times each; the best and the median are
    printed (the machine is shared: the best is the least disturbed).
 2. Paced: the instant server runs C requests at once for C / --paced-rate s each (a GPU that finishes
-   that many prompts per second); CPU microseconds per prompt at that rate, bare loop vs dispatcher.
+   that many prompts per second); CPU microseconds per prompt at that rate, bare loops vs dispatcher,
+   sustained (after the first fifth of the prompts: connections open, the surplus grown) and over the
+   whole run. Once per --paced-step-s: the server ends requests at the end of steps that long, several
+   at once, as SGLang's scheduler does (a decode step, or a prefill batch, ends every request due in
+   it, and their replies go out together), and with 0 each request ends alone at its own time (the
+   worst case for the client: one wakeup per reply).
 3. Redis memory (used_memory) at the start, with N prompts queued, after they all ran (in-process
    instant backend), and after they were collected and exported: results must not pile up.
 
     python bench/bench_dispatch.py [--jobs 20000] [--baseline-jobs 2000] [--concurrency 128] [--rounds 3]
-                                   [--paced-rate 1000] [--paced-jobs 10000] [--memory-jobs 100000]
-                                   [--only ceiling,paced,memory] [--profile out.prof] [--loop auto|uvloop|asyncio]
-                                   [--baseline-checkout DIR]
+                                   [--paced-rate 1000] [--paced-jobs 10000] [--paced-step-s 0.02,0]
+                                   [--memory-jobs 100000] [--only ceiling,paced,memory] [--profile out.prof]
+                                   [--loop auto|uvloop|asyncio] [--baseline-checkout DIR]
 """
 
 from __future__ import annotations
@@ -84,6 +89,30 @@ def cpu_s() -> float:
 
 
 # --- children: each prints {"n", "wall_s", "cpu_s", ...} as its last line ---------------------------
+class Steady:
+    """CPU and wall time at the moment the first STEADY_FRACTION of the prompts are done: the figures
+    after it are the sustained rate's, without the start (connections opening, the surplus growing
+    from nothing: Turnover sizes it from finishes it has not yet seen)."""
+
+    FRACTION = 0.2
+
+    def __init__(self, n: int) -> None:
+        self.mark = max(1, int(n * self.FRACTION))
+        self.done = 0
+        self.at: tuple[float, float] | None = None
+
+    def tick(self, *_: object) -> None:
+        self.done += 1
+        if self.done == self.mark:
+            self.at = (time.perf_counter(), cpu_s())
+
+    def out(self, wall_end: float, cpu_end: float) -> dict[str, float]:
+        if self.at is None:
+            return {}
+        return {"steady_n": self.done - self.mark, "steady_wall_s": wall_end - self.at[0],
+                "steady_cpu_s": cpu_end - self.at[1]}
+
+
 def child_simpleworker(redis_url: str, n: int) -> dict[str, float]:
     from rq import Queue, SimpleWorker
 
@@ -102,22 +131,21 @@ async def bare_loop(post: Callable[[bytes], Awaitable[tuple[int, bytes]]], n: in
     """`concurrency` coroutines POSTing n one-token prompts through `post` (body -> status, reply),
     timed from the first request to the last answer: what every bare-client contender runs."""
     todo = iter(range(n))
-    done = 0
+    steady = Steady(n)
 
     async def loop() -> None:
-        nonlocal done
         for i in todo:
             status, reply = await post(orjson.dumps(body_for(i)))
             assert status == 200
             orjson.loads(reply)
-            done += 1
+            steady.tick()
 
     await post(b"{}")  # the first connection before the clock starts, like the dispatcher's
     t0, c0 = time.perf_counter(), cpu_s()
     await asyncio.gather(*(loop() for _ in range(concurrency)))
-    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
-    assert done == n
-    return {"n": n, "wall_s": wall, "cpu_s": cpu}
+    t1, c1 = time.perf_counter(), cpu_s()
+    assert steady.done == n
+    return {"n": n, "wall_s": t1 - t0, "cpu_s": c1 - c0, **steady.out(t1, c1)}
 
 
 async def child_httpx(server_url: str, n: int, concurrency: int) -> dict[str, float]:
@@ -177,7 +205,8 @@ async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurre
     async def backend(prompt: Any) -> dict[str, Any]:  # what the worker's ServerKeeper.generate does
         return await sglang.complete(http, prompt.url, prompt.body)
 
-    d = Dispatcher(ledger, backend, config=config, worker="bench", queues=lambda: ["gpu0"])
+    steady = Steady(n)
+    d = Dispatcher(ledger, backend, config=config, worker="bench", queues=lambda: ["gpu0"], on_completion=steady.tick)
     await d.set_capacity(concurrency)  # as the keeper does once its server is up (capacity + surplus)
     await client.ping()
     await http.post(URL_PATH, content=b"{}")
@@ -188,11 +217,11 @@ async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurre
     await d.drain(10)
     ledger.close()
     await flusher
-    wall, cpu = time.perf_counter() - t0, cpu_s() - c0
+    t1, c1 = time.perf_counter(), cpu_s()
     await client.aclose()
     await http.aclose()
     assert d.done == n, (d.done, d.failed, n)
-    return {"n": n, "wall_s": wall, "cpu_s": cpu, "surplus": d.surplus}
+    return {"n": n, "wall_s": t1 - t0, "cpu_s": c1 - c0, "surplus": d.surplus, **steady.out(t1, c1)}
 
 
 def child_main(argv: list[str]) -> None:
@@ -240,11 +269,12 @@ def free_port() -> int:
 
 
 class InstantServer:
-    def __init__(self, delay_s: float = 0.0, capacity: int = 0) -> None:
+    def __init__(self, delay_s: float = 0.0, capacity: int = 0, step_s: float = 0.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.instant", "--port", str(self.port),
-                                      "--delay-s", str(delay_s), "--capacity", str(capacity)], cwd=ROOT)
+                                      "--delay-s", str(delay_s), "--capacity", str(capacity), "--step-s",
+                                      str(step_s)], cwd=ROOT)
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -369,7 +399,32 @@ def bench_ceiling(url: str, workdir: Path, args: argparse.Namespace) -> None:
           f"{min(map(us, h1)) / u_aio:.2f}x CPU per prompt")
 
 
+def us_steady(m: dict[str, float]) -> float:
+    """CPU per prompt after the first fifth of the run (Steady); the whole run's for a child that
+    does not say (another checkout's)."""
+    if not m.get("steady_n"):
+        return us(m)
+    return m["steady_cpu_s"] / m["steady_n"] * 1e6
+
+
+def paced_line(name: str, ms: list[dict[str, float]]) -> str:
+    rates, steady, whole = [rate(m) for m in ms], [us_steady(m) for m in ms], [us(m) for m in ms]
+    return (f"  {name:<34}: {max(rates):6,.0f} prompts/s  {min(steady):5.0f} µs CPU/prompt sustained (median "
+            f"{statistics.median(steady):.0f}); whole run {min(whole):.0f} (median {statistics.median(whole):.0f}); "
+            f"{len(ms)} runs of {int(ms[0]['n']):,}")
+
+
+def ratio(a: list[dict[str, float]], b: list[dict[str, float]]) -> str:
+    return (f"{min(map(us_steady, a)) / min(map(us_steady, b)):5.2f}x (best), "
+            f"{statistics.median(map(us_steady, a)) / statistics.median(map(us_steady, b)):.2f}x (median)")
+
+
 def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
+    for step_s in (float(x) for x in args.paced_step_s.split(",")):
+        paced_once(url, workdir, args, step_s)
+
+
+def paced_once(url: str, workdir: Path, args: argparse.Namespace, step_s: float) -> None:
     c, target = args.concurrency, args.paced_rate
     bare: list[dict[str, float]] = []
     aio: list[dict[str, float]] = []
@@ -377,47 +432,48 @@ def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
     ours: list[dict[str, float]] = []
     ours_std: list[dict[str, float]] = []  # the dispatcher on the standard library's loop, when the worker's is not
     older: list[dict[str, float]] = []  # another checkout's dispatcher (--baseline-checkout)
-    with InstantServer(delay_s=c / target, capacity=c) as server:
+    # A request ends at the first step end after its time is up: half a step later on average.
+    delay_s = c / target - step_s / 2
+    tag = f"s{int(step_s * 1000)}"
+    with InstantServer(delay_s=delay_s, capacity=c, step_s=step_s) as server:
         for i in range(args.rounds):
             if not args.paced_no_httpx:
                 bare.append(run_child("httpx", "--server-url", server.url, "-n", str(args.paced_httpx_jobs),
                                       "-c", str(c)))
             aio.append(run_child("aiohttp", "--server-url", server.url, "-n", str(args.paced_jobs), "-c", str(c)))
             h1.append(run_child("http1", "--server-url", server.url, "-n", str(args.paced_jobs), "-c", str(c)))
-            ours.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"paced{i}"))
+            ours.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"paced{tag}{i}"))
             if ours[-1]["loop"] != "asyncio":
-                ours_std.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"pacedstd{i}",
+                ours_std.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"pacedstd{tag}{i}",
                                              loop="asyncio"))
             if args.baseline_checkout:
                 redis.Redis.from_url(url).flushall()
-                enqueue_ours(url, args.paced_jobs, workdir, f"pacedold{i}", max_tokens=1)
+                enqueue_ours(url, args.paced_jobs, workdir, f"pacedold{tag}{i}", max_tokens=1)
                 older.append(run_checkout_child(args.baseline_checkout, "ours", "--redis-url", url, "--server-url",
-                                                server.url, "--run", f"pacedold{i}", "-n", str(args.paced_jobs),
+                                                server.url, "--run", f"pacedold{tag}{i}", "-n", str(args.paced_jobs),
                                                 "-c", str(c)))
-    print(f"paced: the server runs {c} at once for {c / target * 1000:.0f} ms each (mean) -> at most "
-          f"{target:,} prompts/s; event loop: {ours[-1]['loop']}")
+    how = (f"replies at the end of {step_s * 1000:g}-ms steps, several at once, as SGLang's scheduler ends requests"
+           if step_s else "each reply alone, at its own time (the worst case: a wakeup per reply)")
+    print(f"paced: the server runs {c} at once, {c / target * 1000:.0f} ms each on average -> at most {target:,} "
+          f"prompts/s; {how}; event loop: {ours[-1]['loop']}; sustained = after the first "
+          f"{Steady.FRACTION:.0%} of the prompts")
     if bare:
-        print(line("bare httpx loop", bare))
-    print(line("bare aiohttp loop", aio))
-    print(line("bare http1 loop (batchfleet.http1)", h1))
-    print(line("batchfleet dispatcher", ours) + f"  surplus {ours[-1].get('surplus', 0):.0f}")
+        print(paced_line("bare httpx loop", bare))
+    print(paced_line("bare aiohttp loop", aio))
+    print(paced_line("bare http1 loop (batchfleet.http1)", h1))
+    print(paced_line("batchfleet dispatcher", ours) + f"; surplus {ours[-1].get('surplus', 0):.0f}")
     if ours_std:
-        print(line("dispatcher, asyncio's own loop", ours_std))
-        print(f"  dispatcher {ours[-1]['loop']} / asyncio loop  : {min(map(us, ours)) / min(map(us, ours_std)):9.2f}x "
-              "CPU per prompt (best), "
-              f"{statistics.median(map(us, ours)) / statistics.median(map(us, ours_std)):.2f}x (median)")
+        print(paced_line("dispatcher, asyncio's own loop", ours_std))
+        print(f"  dispatcher {ours[-1]['loop']} / asyncio loop    : {ratio(ours, ours_std)}")
     if older:
-        print(line(f"dispatcher of {args.baseline_checkout.name}", older))
-        print(f"  dispatcher / {args.baseline_checkout.name:<19}: {min(map(us, ours)) / min(map(us, older)):9.2f}x "
-              f"CPU per prompt (best), {statistics.median(map(us, ours)) / statistics.median(map(us, older)):.2f}x "
-              "(median)")
+        print(paced_line(f"dispatcher of {args.baseline_checkout.name} (whole run)", older))
+        print(f"  dispatcher / {args.baseline_checkout.name:<22}: {ratio(ours, older)} (its whole run)")
     if bare:
-        print(f"  dispatcher / bare httpx          : {min(map(us, ours)) / min(map(us, bare)):9.2f}x CPU per prompt "
-              "(goal: <= 150 µs at 1,000/s)")
-    print(f"  dispatcher / bare aiohttp        : {min(map(us, ours)) / min(map(us, aio)):9.2f}x CPU per prompt")
-    print(f"  dispatcher / bare http1          : {min(map(us, ours)) / min(map(us, h1)):9.2f}x CPU per prompt "
-          "(the transport it uses)")
-    print(f"  bare http1 / bare aiohttp        : {min(map(us, h1)) / min(map(us, aio)):9.2f}x CPU per prompt")
+        print(f"  dispatcher / bare httpx            : {ratio(ours, bare)}")
+    print(f"  dispatcher / bare aiohttp          : {ratio(ours, aio)}")
+    print(f"  dispatcher / bare http1            : {ratio(ours, h1)} (the transport it uses)")
+    print(f"  goal: <= 150 µs at 1,000 prompts/s : {min(map(us_steady, ours)):.0f} µs (best), "
+          f"{statistics.median(map(us_steady, ours)):.0f} (median)")
 
 
 async def run_dispatcher_inprocess(url: str, config: Config, capacity: int) -> tuple[float, int]:
@@ -478,6 +534,9 @@ def main() -> None:
     ap.add_argument("--paced-jobs", type=int, default=10000)
     ap.add_argument("--paced-httpx-jobs", type=int, default=3000, help="httpx cannot keep up: fewer")
     ap.add_argument("--paced-no-httpx", action="store_true")
+    ap.add_argument("--paced-step-s", default="0.02,0",
+                    help="paced runs, one per value: the instant server ends requests at the end of steps this long "
+                         "(0: each at its own time)")
     ap.add_argument("--memory-jobs", type=int, default=100_000)
     ap.add_argument("--only", default="ceiling,paced,memory")
     ap.add_argument("--profile", default="", help="cProfile the dispatcher's last ceiling run into this file")

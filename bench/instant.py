@@ -6,8 +6,12 @@
 - `python -m bench.instant --port P [--delay-s D --capacity C]`: an HTTP/1.1 keep-alive server that
   answers every POST with a one-token OpenAI completion, after D seconds on average (0.5-1.5 x D,
   seeded) when D > 0, running at most C requests at once while the rest wait in its queue, like a
-  GPU server: it finishes at most C / D prompts/s however many a client keeps in flight. A bare
-  asyncio protocol, so that the server costs as little CPU as it can on the shared machine.
+  GPU server: it finishes at most C / D prompts/s however many a client keeps in flight. With
+  `--step-s S` a request ends only at the end of a step of S seconds, with every other request due
+  in that step, as SGLang's scheduler ends requests (a decode step, or a prefill batch, ends several
+  at once; the replies go out together). Without it each request ends alone, at its own random
+  time: the worst case for a client, one wakeup per reply. A bare asyncio protocol, so that the
+  server costs as little CPU as it can on the shared machine.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import random
 import re
@@ -61,12 +66,14 @@ class _Engine:
     """Runs at most `capacity` requests at once (0: no limit), each for `delay_s` on average; the rest
     wait in its queue, first come first served."""
 
-    def __init__(self, delay_s: float, capacity: int) -> None:
+    def __init__(self, delay_s: float, capacity: int, step_s: float = 0.0) -> None:
         self.delay_s = delay_s
         self.capacity = capacity
+        self.step_s = step_s
         self.running = 0
         self.waiting: deque[_InstantProtocol] = deque()
         self.rng = random.Random(7)
+        self.steps: dict[int, list[_InstantProtocol]] = {}  # step number -> requests that end with it
 
     def submit(self, conn: _InstantProtocol) -> None:
         if self.delay_s <= 0:
@@ -78,11 +85,31 @@ class _Engine:
 
     def _start(self, conn: _InstantProtocol) -> None:
         self.running += 1
-        asyncio.get_running_loop().call_later(self.delay_s * (0.5 + self.rng.random()), self._finish, conn)
+        loop = asyncio.get_running_loop()
+        delay = self.delay_s * (0.5 + self.rng.random())
+        if not self.step_s:
+            loop.call_later(delay, self._finish, conn)
+            return
+        step = math.ceil((loop.time() + delay) / self.step_s)
+        due = self.steps.get(step)
+        if due is None:
+            due = self.steps[step] = []
+            loop.call_at(step * self.step_s, self._end_step, step)
+        due.append(conn)
+
+    def _end_step(self, step: int) -> None:
+        due = self.steps.pop(step)
+        self.running -= len(due)
+        for conn in due:
+            conn.answer()
+        self._admit()
 
     def _finish(self, conn: _InstantProtocol) -> None:
         self.running -= 1
         conn.answer()
+        self._admit()
+
+    def _admit(self) -> None:
         while self.waiting and (not self.capacity or self.running < self.capacity):
             nxt = self.waiting.popleft()
             if nxt.transport is not None:  # a client that left is not run
@@ -121,8 +148,8 @@ class _InstantProtocol(asyncio.Protocol):
         self.transport = None
 
 
-async def serve(port: int, delay_s: float = 0.0, capacity: int = 0) -> None:
-    engine = _Engine(delay_s, capacity)
+async def serve(port: int, delay_s: float = 0.0, capacity: int = 0, step_s: float = 0.0) -> None:
+    engine = _Engine(delay_s, capacity, step_s)
     server = await asyncio.get_running_loop().create_server(lambda: _InstantProtocol(engine), "127.0.0.1", port,
                                                             backlog=1024)
     async with server:
@@ -134,9 +161,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--delay-s", type=float, default=0.0)
     ap.add_argument("--capacity", type=int, default=0)
+    ap.add_argument("--step-s", type=float, default=0.0, help="requests end only at the end of a step this long")
     args = ap.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.port, args.delay_s, args.capacity))
+        asyncio.run(serve(args.port, args.delay_s, args.capacity, args.step_s))
 
 
 if __name__ == "__main__":

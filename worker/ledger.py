@@ -473,8 +473,11 @@ class Ledger:
         self._wake.set()
 
     async def flush(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending[:500], self._pending[500:]
+        """Write the outcomes pending now (500 a call). Those that come while it writes wait for the
+        next flush, so that they gather into one call instead of trickling out a few per call."""
+        todo, self._pending = self._pending, []
+        while todo:
+            batch, todo = todo[:500], todo[500:]
             args: list[object] = [":" + self.session, keys.FAILURE_TTL_S, keys.RQ_JOB_PREFIX,
                                   keys.RQ_STARTED_PREFIX, keys.RQ_FAILED_PREFIX]
             for f in batch:
@@ -482,8 +485,9 @@ class Ledger:
             try:
                 stale, backlog = await self._finish(
                     keys=[self.k.leases, self.k.results, self.k.done, self.k.stats, self.k.strikes], args=args)
-            except Exception:
-                self._pending[:0] = batch  # keep them; the next flush retries (leases keep the jobs safe)
+            except BaseException:
+                # keep them, first; the next flush retries (leases keep the jobs safe)
+                self._pending[:0] = batch + todo
                 raise
             for f in batch:
                 self.held.pop(f.claim.jid, None)

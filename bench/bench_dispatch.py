@@ -467,7 +467,9 @@ def paced_once(url: str, workdir: Path, args: argparse.Namespace, step_s: float)
         print(f"  dispatcher {ours[-1]['loop']} / asyncio loop    : {ratio(ours, ours_std)}")
     if older:
         print(paced_line(f"dispatcher of {args.baseline_checkout.name} (whole run)", older))
-        print(f"  dispatcher / {args.baseline_checkout.name:<22}: {ratio(ours, older)} (its whole run)")
+        print(f"  dispatcher / {args.baseline_checkout.name:<22}: {min(map(us, ours)) / min(map(us, older)):5.2f}x "
+              f"(best), {statistics.median(map(us, ours)) / statistics.median(map(us, older)):.2f}x (median), "
+              "whole runs")
     if bare:
         print(f"  dispatcher / bare httpx            : {ratio(ours, bare)}")
     print(f"  dispatcher / bare aiohttp          : {ratio(ours, aio)}")

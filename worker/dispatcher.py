@@ -288,29 +288,17 @@ class Dispatcher:
                     if self.draining:
                         await self._hand_back(flight)
                         return
-                    if exc.status_code is None and not self.server_ok():
-                        # The server is gone: its keeper strikes what was inside and collects us.
-                        self.slots.release()
-                        holding = False
-                        await self._until_server_ok()
-                        if self.draining:
-                            await self._hand_back(flight)
-                            return
-                        await self.slots.acquire()
-                        holding = True
-                        continue
-                    if flight.attempts >= self.config.max_attempts:
+                    # The server is gone: its keeper strikes what was inside and collects us; the
+                    # wait for it is not an attempt's backoff.
+                    server_gone = exc.status_code is None and not self.server_ok()
+                    if not server_gone and flight.attempts >= self.config.max_attempts:
                         self._fail(flight, exc.status_code or 0, "retries_exhausted",
                                    f"{exc} (after {flight.attempts} attempts)")
                         return
-                    self.slots.release()
+                    self.slots.release()  # no slot is held while it waits
                     holding = False
-                    await self.retry_sleep(self._backoff_s(flight.attempts))
-                    await self._until_server_ok()
-                    if self.draining:
-                        await self._hand_back(flight)
+                    if not await self._wait_to_retry(flight, 0.0 if server_gone else self._backoff_s(flight.attempts)):
                         return
-                    await self.slots.acquire()
                     holding = True
                     continue
                 except PromptError as exc:
@@ -340,6 +328,18 @@ class Dispatcher:
         finally:
             if holding:
                 self.slots.release()
+
+    async def _wait_to_retry(self, flight: Flight, backoff_s: float) -> bool:
+        """Between attempts (holding no slot): the backoff, then until the server is up; then a slot
+        again -> True. A drain meanwhile hands the prompt back instead -> False."""
+        if backoff_s:
+            await self.retry_sleep(backoff_s)
+        await self._until_server_ok()
+        if self.draining:
+            await self._hand_back(flight)
+            return False
+        await self.slots.acquire()
+        return True
 
     def report_trouble(self) -> None:
         """A request got no answer: claim nothing more until the keeper has looked at the server

@@ -210,6 +210,12 @@ def test_a_failed_jobs_hash_expires_with_its_registry_entry(r, redis_url):
     assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [jid]
 
 
+def succeed(ledger: Ledger, claims) -> None:
+    """A bare success for each claim, queued for the next flush."""
+    for c in claims:
+        ledger.finish(c, Result(cid=c.jid, jid=c.jid, seq=0, status_code=200, body={}))
+
+
 def test_finishes_that_come_while_a_flush_writes_gather_into_the_next_call(r, redis_url):
     """At 1,000 prompts/s a few prompts finish during every flush call. They used to be written at
     once by a call of their own, then the ones during that call, and so on: 30 calls a second
@@ -226,13 +232,11 @@ def test_finishes_that_come_while_a_flush_writes_gather_into_the_next_call(r, re
         async def finish_script(*, keys, args):
             sizes.append((len(args) - 5) // 3)
             if len(sizes) == 1:  # two more prompts finish while the first call is on its way
-                for c in claims[4:]:
-                    ledger.finish(c, Result(cid=c.jid, jid=c.jid, seq=0, status_code=200, body={}))
+                succeed(ledger, claims[4:])
             return await real(keys=keys, args=args)
 
         ledger._finish = finish_script
-        for c in claims[:4]:
-            ledger.finish(c, Result(cid=c.jid, jid=c.jid, seq=0, status_code=200, body={}))
+        succeed(ledger, claims[:4])
         await ledger.flush()
         after_first = list(sizes)
         await ledger.flush()
@@ -262,8 +266,7 @@ def test_a_flush_that_fails_keeps_every_outcome_for_the_next(r, redis_url):
             return await real(keys=keys, args=args)
 
         ledger._finish = flaky
-        for c in claims:
-            ledger.finish(c, Result(cid=c.jid, jid=c.jid, seq=0, status_code=200, body={}))
+        succeed(ledger, claims)
         with pytest.raises(ConnectionError):
             await ledger.flush()
         kept = len(ledger._pending)

@@ -58,27 +58,22 @@ class Slots:
             left = deadline - loop.time()
             if left <= 0:
                 return
-            fut: asyncio.Future[None] = loop.create_future()
-            entry = (fut, n)
-            self._waiters.append(entry)
-            timer = loop.call_later(left, _resolve, fut)
-            try:
-                await fut
-            finally:
-                timer.cancel()
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(entry)
+            await self._until_free(n, left)
 
-    async def _until_free(self, n: int) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    async def _until_free(self, n: int, timeout_s: float | None = None) -> None:
+        """Until a release finds `n` slots free (the caller checks again), or `timeout_s` is up."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         entry = (fut, n)
         self._waiters.append(entry)
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _resolve, fut)
         try:
             await fut
-        except asyncio.CancelledError:
-            with contextlib.suppress(ValueError):
+        finally:
+            if timer is not None:
+                timer.cancel()
+            with contextlib.suppress(ValueError):  # a release that woke it has taken it out already
                 self._waiters.remove(entry)
-            raise
 
     async def acquire(self) -> None:
         await self.acquire_up_to(1)

@@ -299,7 +299,11 @@ def test_the_readme_multihost_recipe_as_written(tmp_path):
         lan.wait_for(lambda: sum(s.done for s in lan.serving().values()) == 200, 30, "the workers' last counts")
         statuses = lan.serving()
         assert {(s.host, s.gpu) for s in statuses.values()} == {(h, g) for h in ("hosta", "hostb") for g in (0, 1)}
-        assert all(s.done > 0 for s in statuses.values())
+        # Not "each did some": a worker whose queue is dry polls at most every 0.5 s, and its busy peers
+        # take from every queue once theirs runs dry (work stealing, README), so at time scale 20 a
+        # worker that slept through the enqueue can find its share taken (seen twice in ~30 runs under
+        # CPU hogs: 50, 79, 71, 0). That all four were fed is asserted above, at the enqueue.
+        assert sum(s.done for s in statuses.values()) == len(rows)
         lines = [orjson.loads(x) for x in (head.dir / "results.jsonl").read_bytes().splitlines()]
         assert_exact(lan, rows, lines)
         # The head ran the collector and the supervisor (its metrics on the Procfile's port, inside the head).

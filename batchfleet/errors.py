@@ -37,9 +37,10 @@ class ConfigError(BatchfleetError):
 class RetryableError(BatchfleetError):
     """A transient failure: the same request may succeed later."""
 
-    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+    def __init__(self, message: str, *, status_code: int | None = None, body: object = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.body = body  # the server's answer (its JSON), when it gave one
 
 
 class PromptError(BatchfleetError):

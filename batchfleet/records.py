@@ -192,9 +192,12 @@ class Prompt:
     body: dict[str, Any]  # the OpenAI request body, sent as is
     src: str = ""  # "file:line", for messages
     run: str = ""  # the run it belongs to: its result goes to that run's stream, so a worker checks it
+    fp: str = ""  # the request's fingerprint (hex, from the store): its Result echoes it, see Result.fp
 
     def to_dict(self) -> dict[str, Any]:
         d = {"cid": self.cid, "seq": self.seq, "url": self.url, "body": self.body, "src": self.src}
+        if self.fp:
+            d["fp"] = self.fp
         if self.run:
             d["run"] = self.run
         return d
@@ -210,11 +213,14 @@ class Result:
     jid: str  # the RQ job id
     seq: int
     status_code: int  # HTTP status of the final answer (0: no answer at all)
-    body: dict[str, Any] | None = None  # the server's reply when it succeeded
+    body: dict[str, Any] | None = None  # the server's JSON reply: the answer, or its error body
     error: dict[str, str] | None = None  # {"code", "message"} when it failed for good
     worker: str = ""
     attempts: int = 1
     finished_at: float = field(default_factory=time.time)
+    # The fingerprint of the request that was sent (the Prompt's `fp`): the collector refuses a result
+    # whose request the store no longer holds (`enqueue --rerun-changed` replaced it; same job id).
+    fp: str = ""
 
     @property
     def ok(self) -> bool:
@@ -233,13 +239,18 @@ class Result:
         return loads(cls, raw)
 
     def batch_output_line(self) -> dict[str, Any]:
-        """The OpenAI batch output shape: one of these per prompt in the export."""
-        response = None
-        if self.body is not None:
-            response = {"status_code": self.status_code, "request_id": self.jid, "body": self.body}
-        elif self.status_code:
-            response = {"status_code": self.status_code, "request_id": self.jid, "body": None}
-        return {"id": f"batch_req_{self.jid}", "custom_id": self.cid, "response": response, "error": self.error}
+        """One line of OpenAI's batch output (or error) file. A request that got an HTTP answer has it
+        in `response` (`status_code`, `request_id`, `body`: the answer's JSON body, an error's too) and
+        `error` null; `error` (`code`, `message`) is for one that got no usable answer (no answer at
+        all, or a 200 that was not JSON), with `response` null."""
+        answered = self.error is None or (100 <= self.status_code <= 599 and self.status_code != 200)
+        if not answered:
+            return {"id": f"batch_req_{self.jid}", "custom_id": self.cid, "response": None, "error": self.error}
+        body = self.body
+        if body is None and self.error is not None:  # the server's error answer was not a JSON object
+            body = {"error": {"message": self.error.get("message", "")}}
+        return {"id": f"batch_req_{self.jid}", "custom_id": self.cid,
+                "response": {"status_code": self.status_code, "request_id": self.jid, "body": body}, "error": None}
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,7 +104,7 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
     message = error_message(status, content)
     if status in _PERMANENT:
         raise PromptError(message, status_code=status, body=_json_or_none(content))
-    raise RetryableError(message, status_code=status)
+    raise RetryableError(message, status_code=status, body=_json_or_none(content))
 
 
 def error_message(status: int, content: bytes) -> str:

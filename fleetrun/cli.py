@@ -43,8 +43,8 @@ from batchfleet.records import Event
 from batchfleet.redact import private_dir, private_file
 from producer import api
 from producer.collect import collect_once
-from producer.export import ExportError, check_target, export
-from producer.inputs import MissingExtra, input_problem
+from producer.export import ExportError, check_target, export, write_empty
+from producer.inputs import Lines, MissingExtra, input_problem
 from producer.status import gather_progress
 from producer.store import Store, StoreError
 
@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--progress-every", type=float, default=5.0, metavar="S",
                    help="seconds between progress lines when the output is not a terminal")
     r.add_argument("--timeout", type=float, metavar="S", help="give up (drain, exit 2) after S seconds")
+    r.add_argument("--rerun-changed", action="store_true",
+                   help="custom_ids the run's store holds with another request run again with the new one (their "
+                        "old results are replaced); without it such a file is refused (exit 2)")
     return p
 
 
@@ -267,6 +270,16 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
             check_target(args.errors, "--errors")
     except ExportError as exc:
         raise UsageError(str(exc)) from None
+    try:
+        with Lines(str(args.file)) as lines:
+            empty = not lines.has_prompt_line()
+    except (OSError, EOFError) as exc:  # a corrupt .gz/.zst
+        raise UsageError(f"{args.file}: cannot read: {exc}") from None
+    if empty:  # nothing to run: no Redis, no store, no key; the export of no prompts
+        write_empty(args.output, args.errors)
+        print(f"batchfleet: warning: {args.file} holds no prompts (it is empty or only blank lines): nothing ran; "
+              f"wrote an empty {args.output}", file=sys.stderr)
+        return EXIT_OK
     gpus = parse_gpus(args.gpus) if args.gpus else detect_gpus()
     if not gpus:
         raise UsageError("no GPU found (nvidia-smi lists none): give --gpus, e.g. --gpus 0-7")
@@ -303,12 +316,12 @@ def _serve(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys
     r = connect(config.redis_url)
     queues = tuple(f"{run}.gpu{g}" for g in gpus)
     done = api.enqueue(config, r, args.file, queues=queues, explicit=True, model=args.model or config.model_path,
-                       rejects_path=args.rejects or config.state_dir / f"{run}.rejects.jsonl", progress=True)
+                       rejects_path=args.rejects or config.state_dir / f"{run}.rejects.jsonl", progress=True,
+                       rerun_changed=args.rerun_changed)
     store: Store = done.store
     try:
         s = done.summary
-        screen.say(f"{args.file}: {s.new:,} new, {s.present:,} already in the store, {s.collected:,} already finished, "
-                   f"{s.rejected:,} rejected, {s.duplicates:,} duplicates; run {run}, store {store.path}")
+        screen.say(f"{args.file}: {s.text()}; run {run}, store {store.path}")
         if s.rejected or s.duplicates:
             screen.say(f"rejected lines are in {s.rejects_path}")
         code = _work(args, config, gpus, keys, store, r, screen, stop, force)

@@ -11,11 +11,13 @@ import redis
 
 from batchfleet.config import DEFAULT_QUEUE, Config
 from batchfleet.keys import Keys
+from batchfleet.records import job_id_for
 
-from .enqueue import EnqueueSummary, enqueue_file
+from .enqueue import EmptyInput, EnqueueSummary, enqueue_file
 from .feed import FeedSummary, feed_pass, read_fleet_view
+from .inputs import Lines
 from .locate import Located, Mode, ensure_marker, locate
-from .recover import recover
+from .recover import _take_failed, recover
 from .store import Store, StoreError
 
 __all__ = ["Enqueued", "enqueue", "repair_if_lost"]
@@ -41,24 +43,35 @@ def repair_if_lost(config: Config, r: redis.Redis, loc: Located) -> None:
 
 def enqueue(config: Config, r: redis.Redis, path: str | Path, *, queues: tuple[str, ...] = (),
             explicit: bool = True, defaults: dict[str, Any] | None = None, model: str = "default",
-            rejects_path: Path | None = None, progress: bool = False) -> Enqueued:
-    """`producer enqueue`: the file into the run's store, the run marker, one feed pass."""
-    loc = locate(config, r, explicit=explicit, mode=Mode.CREATE)
-    try:
-        if loc.store.cancelled_at() is not None:
-            raise StoreError(f"run {config.run} was cancelled (producer cancel): its workers take no more work; "
-                             f"enqueue under a new run name, or `producer purge {config.run} --yes` first and "
-                             "start a new store")
-        repair_if_lost(config, r, loc)
-        if not queues and not (loc.marker and loc.marker.queues) and not read_fleet_view(r, Keys(config.run)).capacity:
-            queues = (DEFAULT_QUEUE,)  # nothing given and no worker yet: where `rq worker gpu0` looks
-        marker = ensure_marker(r, config, loc.store, queues=queues)
-        s = enqueue_file(loc.store, str(path), defaults=defaults or {}, model=model, rejects_path=rejects_path,
-                         progress=progress)
-        fed = feed_pass(config, r, loc.store, marker.queues)
-        with loc.store.read():
-            waiting = loc.store.counts()["waiting"]
-    except BaseException:
-        loc.store.close()
-        raise
+            rejects_path: Path | None = None, progress: bool = False, rerun_changed: bool = False) -> Enqueued:
+    """`producer enqueue`: the file into the run's store, the run marker, one feed pass. Raises
+    EmptyInput (before anything is made) when the file holds no prompt, ChangedRequests (nothing of the
+    file stored, nothing fed) when it asks other requests for custom_ids the store knows and not
+    `rerun_changed`."""
+    keys = Keys(config.run)
+    with Lines(str(path)) as source:
+        if not source.has_prompt_line():
+            raise EmptyInput(f"{source.name} holds no prompts (it is empty or only blank lines): nothing enqueued")
+        loc = locate(config, r, explicit=explicit, mode=Mode.CREATE)
+        try:
+            if loc.store.cancelled_at() is not None:
+                raise StoreError(f"run {config.run} was cancelled (producer cancel): its workers take no more work; "
+                                 f"enqueue under a new run name, or `producer purge {config.run} --yes` first and "
+                                 "start a new store")
+            repair_if_lost(config, r, loc)
+            if not queues and not (loc.marker and loc.marker.queues) and not read_fleet_view(r, keys).capacity:
+                queues = (DEFAULT_QUEUE,)  # nothing given and no worker yet: where `rq worker gpu0` looks
+            marker = ensure_marker(r, config, loc.store, queues=queues)
+
+            def take_failed(failed: list[tuple[int, str]]) -> None:
+                _take_failed(r, keys, [(seq, job_id_for(config.run, cid)) for seq, cid in failed])
+
+            s = enqueue_file(loc.store, source, defaults=defaults or {}, model=model, rejects_path=rejects_path,
+                             progress=progress, rerun_changed=rerun_changed, take_failed=take_failed)
+            fed = feed_pass(config, r, loc.store, marker.queues)
+            with loc.store.read():
+                waiting = loc.store.counts()["waiting"]
+        except BaseException:
+            loc.store.close()
+            raise
     return Enqueued(loc.store, s, fed, waiting)

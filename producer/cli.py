@@ -30,6 +30,7 @@ from batchfleet.redact import Scrubber
 
 from . import api, ends
 from .collect import collect_once
+from .enqueue import EmptyInput
 from .export import ExportError, export
 from .feed import feed_pass
 from .head import Head
@@ -69,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--model", help="body.model when a line has none (default: model path or 'default')")
     e.add_argument("--rejects", type=Path, help="rejected lines go here (default: FILE.rejects.jsonl)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+    e.add_argument("--rerun-changed", action="store_true",
+                   help="custom_ids the store holds with another request run again with the new one (their old "
+                        "results are replaced); without it such a file is refused (exit 2)")
 
     for name, text in (("head", "the head process: keep each queue's window topped up from the store, collect "
                                 "results, repair a Redis that lost the run's data (until SIGINT/SIGTERM)"),
@@ -259,7 +263,10 @@ def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit:
     try:
         done = api.enqueue(config, r, args.file, queues=queues, explicit=explicit, defaults=defaults,
                            model=args.model or config.model_path or "default", rejects_path=args.rejects,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, rerun_changed=args.rerun_changed)
+    except EmptyInput as exc:
+        print(f"producer: warning: {exc}", file=sys.stderr)
+        return 0
     except KeyboardInterrupt:
         return _interrupted(config, r, explicit)
     except MissingExtra as exc:
@@ -273,9 +280,7 @@ def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit:
     done.store.close()
     s, fed = done.summary, done.fed
     rate = s.lines / s.seconds if s.seconds else 0.0
-    print(f"{args.file}: {s.lines:,} lines in {s.seconds:.1f} s ({rate:,.0f}/s): {s.new:,} new, "
-          f"{s.present:,} already in the store, {s.collected:,} already finished, "
-          f"{s.rejected:,} rejected, {s.duplicates:,} duplicates; store {done.store.path}")
+    print(f"{args.file}: {s.lines:,} lines in {s.seconds:.1f} s ({rate:,.0f}/s): {s.counts()}; store {done.store.path}")
     if fed.total:
         print("fed to Redis: " + ", ".join(f"{q} {n:,}" for q, n in fed.fed.items() if n))
     if done.waiting:

@@ -8,6 +8,13 @@ holds only the run's own prompts. Each batch is stored in one write transaction 
 failure; the prompt becomes DONE) and only after COMMIT are the entries and job ids removed from
 Redis. A crash in between stores the same results again next time, which changes nothing. The job of
 a collected failure is then trimmed to a stub (`trim.trim_failed`): the store holds its prompt.
+
+A result also carries the fingerprint of the request that was sent (`Result.fp`, echoed from the
+prompt's job). After `enqueue --rerun-changed` replaced a prompt's request, a result of the old request
+(a job fed before, with the same job id) is refused: it is not the answer to what the store now holds.
+That prompt is fed again with its new request (its failed job, if any, is taken out of RQ's registry
+so the feed can write the new one). A result without a fingerprint (a worker older than fingerprints)
+is taken unless the prompt's request was replaced.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import redis
 from batchfleet.keys import Keys
 from batchfleet.records import RecordError, Result, job_id_for
 
+from .recover import _take_failed
 from .store import Store
 from .trim import trim_failed
 
@@ -36,6 +44,7 @@ class CollectSummary:
     succeeded: int = 0
     failed: int = 0
     rejected: int = 0  # entries that answer no prompt of this run (forged, foreign, unreadable)
+    stale: int = 0  # results of a request `enqueue --rerun-changed` replaced: dropped, the prompt runs again
 
     @property
     def stored(self) -> int:
@@ -45,6 +54,7 @@ class CollectSummary:
         self.succeeded += other.succeeded
         self.failed += other.failed
         self.rejected += other.rejected
+        self.stale += other.stale
 
 def redis_time_s(entry_id: bytes) -> float:
     """When Redis added a stream entry, in seconds: the milliseconds part of its id (`<ms>-<seq>`). Entries
@@ -52,6 +62,13 @@ def redis_time_s(entry_id: bytes) -> float:
     stream order."""
     return int(entry_id.partition(b"-")[0]) / 1000
 
+
+
+def _stale(sent: str, stored: str, rerun: bool) -> bool:
+    """Is a result of fingerprint `sent` not the answer to the request the store holds (`stored`)?"""
+    if not sent:  # a worker older than fingerprints: only a replaced request makes it doubtful
+        return rerun
+    return bool(stored) and sent != stored
 
 
 def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH,
@@ -74,6 +91,7 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
         failed: list[tuple[str, int]] = []  # (cid, seq) of failures stored: their jobs are trimmed
         rows: list[tuple[int, int, int, bytes, float]] = []
         rejected: list[str] = []
+        stale: list[tuple[int, str, bool]] = []  # (seq, job id, ok) of results of a replaced request
         with store.write():
             known = store.lookup([res.cid for _, res, _ in parsed if res is not None])
             for eid, res, why in parsed:
@@ -83,6 +101,9 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
                         why = f"custom_id {res.cid[:80]!r} was never enqueued in run {keys.run}"
                     elif res.jid != job_id_for(keys.run, res.cid):
                         why = f"job id {res.jid[:40]!r} is not the job of custom_id {res.cid[:80]!r}"
+                    elif _stale(res.fp, hit[2], hit[3]):
+                        stale.append((hit[0], res.jid, res.ok))
+                        continue
                     else:
                         rows.append((hit[0], hit[1], int(res.ok), orjson.dumps(res.batch_output_line()),
                                      redis_time_s(eid)))  # Redis's clock orders results, not the worker host's
@@ -96,16 +117,22 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
                 rejected.append(f"stream entry {eid.decode()}: {why}")
             store.store_results(rows)
             store.add_rejected(len(rejected))
+            store.stale([seq for seq, _, _ in stale])
         out.rejected += len(rejected)
+        out.stale += len(stale)
         for text in rejected[: max(0, SHOW_REJECTED - said)]:
             print(f"collect: dropped {text}", file=log, flush=True)
         said += len(rejected)
         pipe = r.pipeline(transaction=False)
         pipe.xdel(keys.results, *(eid for eid, _, _ in parsed))
-        if ok_jids:
-            pipe.srem(keys.done, *ok_jids)
+        if ok_jids or stale:
+            pipe.srem(keys.done, *ok_jids, *(jid for _, jid, _ in stale))
         pipe.execute()
         trim_failed(r, keys, failed)  # the store holds these prompts now: their failed jobs keep a stub
+        _take_failed(r, keys, [(seq, jid) for seq, jid, ok in stale if not ok])  # the feed writes the new job
+        if stale:
+            print(f"collect: dropped {len(stale)} late result(s) of requests `enqueue --rerun-changed` replaced; "
+                  "those prompts run again with their new request", file=log, flush=True)
         if said > SHOW_REJECTED and len(entries) < batch:
             print(f"collect: dropped {said} result(s) in all that answer no prompt of run {keys.run}",
                   file=log, flush=True)

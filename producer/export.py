@@ -1,8 +1,10 @@
 """`producer export`: the OpenAI batch output file, one line per prompt that has a result (a prompt of a
 cancelled run that had none exports with error code `cancelled`).
 
-With `--errors FILE` the failed prompts' lines go to FILE instead (the OpenAI Batch API's
-error file); without it every line is in the one output, as before. The suffix of each file picks
+With `--errors FILE` the failed prompts' lines go to FILE instead, as the OpenAI Batch API splits
+its output and error files: an HTTP error answer (its status and the server's body in `response`)
+and a request with no usable answer (`error`) go to FILE, successes to the output; without it every
+line is in the one output. The suffix of each file picks
 its format: `.jsonl`, `.jsonl.gz`, `.jsonl.zst` (extra `zstd`), `.parquet` (extra `parquet`).
 
 Lines come out in input order (the store's `seq`), each exactly `Result.batch_output_line()` as the
@@ -31,7 +33,7 @@ from .collect import collect_once
 from .inputs import compression_of, open_output
 from .store import Store
 
-__all__ = ["PARQUET_COLUMNS", "ExportError", "ExportSummary", "check_target", "export"]
+__all__ = ["PARQUET_COLUMNS", "ExportError", "ExportSummary", "check_target", "export", "write_empty"]
 
 
 class ExportError(Exception):
@@ -78,10 +80,6 @@ def _pyarrow() -> Any:
     except ImportError:
         raise ExportError("writing .parquet needs pyarrow: pip install 'batchfleet[parquet]'") from None
     return pa, pq
-
-
-def _is_error(line: bytes) -> bool:
-    return orjson.loads(line).get("error") is not None
 
 
 class _Target:
@@ -135,6 +133,18 @@ def _parquet_row(rec: dict[str, Any]) -> dict[str, Any]:
             "error_code": err.get("code"), "error_message": err.get("message")}
 
 
+def write_empty(*paths: Path | None) -> None:
+    """The export of a run with no prompts: each given file, empty (in its format)."""
+    targets = [_Target(p) for p in paths if p is not None]
+    try:
+        for t in targets:
+            t.commit()
+    except BaseException:
+        for t in targets:
+            t.abort()
+        raise
+
+
 def export(r: redis.Redis | None, store: Store, keys: Keys, out: Path, *, wait: bool = False,
            timeout_s: float | None = None, poll_s: float = 2.0, errors: Path | None = None) -> ExportSummary:
     """Collect (unless `r` is None; with `wait`: until nothing is pending or `timeout_s` passes), then
@@ -170,8 +180,8 @@ def export(r: redis.Redis | None, store: Store, keys: Keys, out: Path, *, wait: 
                                     cancelled=counts["cancelled"],
                                     pending=counts["pending"], rejected=store.rejected_results(),
                                     first_pending=store.pending_examples(SHOW_PENDING), errors_path=errors)
-            for line in store.result_lines():
-                if errors is not None and _is_error(line):
+            for ok, line in store.result_rows():
+                if errors is not None and not ok:
                     failed.write(line)
                     summary.errors_written += 1
                 else:

@@ -154,7 +154,7 @@ class Feeder:
                 rows = self.store.next_to_feed(min(FEED_BATCH, sum(left.values())))
                 if not rows:
                     return out
-                groups: dict[str, list[tuple[int, str, str, bytes]]] = {q: [] for q in left}
+                groups: dict[str, list[tuple[int, str, str, bytes, str]]] = {q: [] for q in left}
                 order, i = list(left), 0
                 for row in rows:
                     while left[order[i % len(order)]] == 0:
@@ -172,16 +172,20 @@ class Feeder:
             left = {q: n for q, n in left.items() if n > 0}
         return out
 
-    def _write_jobs(self, groups: dict[str, list[tuple[int, str, str, bytes]]]) -> tuple[int, int, list[int]]:
+    def _write_jobs(self, groups: dict[str, list[tuple[int, str, str, bytes, str]]]) -> tuple[int, int, list[int]]:
         k, run = self.keys, self.config.run
         keys: list[str] = [k.done, k.stats, RQ_QUEUES, *(Keys.queue(q) for q in groups)]
         args: list[object] = [len(groups), len(Keys.job("")), *groups, *(len(g) for g in groups.values())]
         for g in groups.values():
-            for seq, cid, url, body in g:
+            for seq, cid, url, body, fp in g:
                 keys.append(Keys.job(job_id_for(run, cid)))
-                # a records.Prompt as a dict (`Prompt.to_dict`), the body spliced in as stored
-                args.append(orjson.dumps([GENERATE, None, [{"cid": cid, "seq": seq, "url": url,
-                                                            "body": orjson.Fragment(body), "run": run}], {}]))
+                # a records.Prompt as a dict (`Prompt.to_dict`), the body spliced in as stored; `run`
+                # last: every job of a run ends alike (`ends.run_jobs` finds them so)
+                prompt = {"cid": cid, "seq": seq, "url": url, "body": orjson.Fragment(body)}
+                if fp:
+                    prompt["fp"] = fp
+                prompt["run"] = run
+                args.append(orjson.dumps([GENERATE, None, [prompt], {}]))
         added, present, *per_queue = self.script(keys=keys, args=args)
         return int(added), int(present), [int(n) for n in per_queue]
 

@@ -2,6 +2,10 @@
 `zstandard` package: `pip install 'batchfleet[zstd]'`), and for export only `.parquet` (pyarrow:
 `pip install 'batchfleet[parquet]'`). A missing optional package is a message naming the extra,
 never an ImportError.
+
+`Lines` reads an input as enqueue does: a UTF-8 byte order mark at its start is dropped (editors on
+Windows write one), CRLF line ends are whitespace to JSON, and a line longer than any request may be
+(`MAX_LINE_BYTES`) is never held whole: its first bytes and its length are enough to reject it.
 """
 
 from __future__ import annotations
@@ -10,11 +14,18 @@ import contextlib
 import gzip
 import io
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["MissingExtra", "compression_of", "input_problem", "open_input", "open_output"]
+from batchfleet.prompts import MAX_BODY_BYTES
+
+__all__ = ["MAX_LINE_BYTES", "Lines", "MissingExtra", "compression_of", "input_problem", "open_input", "open_output"]
+
+BOM = b"\xef\xbb\xbf"
+MAX_LINE_BYTES = MAX_BODY_BYTES + 64 * 1024  # a request's body and its envelope: a longer line is no request
+_SKIP = 1 << 20  # the rest of a too-long line is read and dropped this much at a time
 
 
 class MissingExtra(Exception):
@@ -66,6 +77,61 @@ def open_input(path: Path | str) -> IO[bytes]:
         reader = zstd.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)  # noqa: SIM115
         return io.BufferedReader(reader)
     return open(path, "rb")
+
+
+class Lines:
+    """The lines of an input file (`-`: stdin) as (line number, bytes, length in bytes). The bytes are
+    the whole line, or its first MAX_LINE_BYTES when it is longer (then length > len(bytes))."""
+
+    def __init__(self, path: str) -> None:
+        self.name = "stdin" if path == "-" else path
+        self.path = "stdin" if path == "-" else str(Path(path).absolute())
+        plain = path != "-" and Path(path).is_file() and not compression_of(path)
+        self.size = Path(path).stat().st_size if plain else None  # a compressed file's size is not the bytes read
+        self.fh: IO[bytes] = sys.stdin.buffer if path == "-" else open_input(path)
+        self.nbytes = 0  # read so far
+        self._lineno = 0
+        self._peeked: list[tuple[int, bytes, int]] = []
+
+    def _read(self) -> tuple[int, bytes, int] | None:
+        raw = self.fh.readline(MAX_LINE_BYTES)
+        if not raw:
+            return None
+        length = len(raw)
+        if length == MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while more := self.fh.readline(_SKIP):
+                length += len(more)
+                if more.endswith(b"\n"):
+                    break
+        self.nbytes += length
+        self._lineno += 1
+        if self._lineno == 1 and raw.startswith(BOM):
+            raw, length = raw[len(BOM):], length - len(BOM)
+        return self._lineno, raw, length
+
+    def has_prompt_line(self) -> bool:
+        """Is there a line that is not blank? Reads up to it; those lines are still iterated."""
+        while (line := self._read()) is not None:
+            self._peeked.append(line)
+            if line[1].strip():
+                return True
+        return False
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, int]]:
+        while self._peeked:
+            yield self._peeked.pop(0)
+        while (line := self._read()) is not None:
+            yield line
+
+    def close(self) -> None:
+        if self.fh is not sys.stdin.buffer:
+            self.fh.close()
+
+    def __enter__(self) -> Lines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from batchfleet.marker import repair_command
 from .feed import FleetView, read_fleet_view
 from .locate import Located
 from .recover import audit
+from .runs import input_dict, input_text
 from .store import Store
 
 __all__ = ["eta_text", "format_status", "gather_progress", "gather_status"]
@@ -39,6 +40,7 @@ def gather_status(config: Config, r: redis.Redis, loc: Located) -> dict[str, Any
         counts = store.counts()
         rejected = store.rejected_results()
         cancelled_at = store.cancelled_at()
+        inputs = [input_dict(i) for i in store.inputs()]
     repair = repair_command(config.run, str(store.path.parent))
     out: dict[str, Any] = {
         "run": config.run,
@@ -46,6 +48,7 @@ def gather_status(config: Config, r: redis.Redis, loc: Located) -> dict[str, Any
         "redis_up": loc.redis_error is None,
         "redis_error": loc.redis_error,
         "store": {"path": str(store.path), "id": store.id, "host": loc.marker.host if loc.marker else None},
+        "inputs": inputs,
         "marker": "unknown" if loc.redis_error else ("present" if loc.marker else "missing"),
         "redis_lost_data": loc.lost,
         "repair": repair if loc.lost else None,
@@ -141,6 +144,8 @@ def format_status(st: dict[str, Any], *, as_json: bool) -> str:
     where = st["store"]["path"] + (f" on {st['store']['host']}" if st["store"]["host"] else "")
     lines = [f"run {st['run']}: store {where}; Redis {st['redis']}"
              + ("" if st["redis_up"] else f" is DOWN ({st['redis_error']}): counts from the store only")]
+    for i in st["inputs"][-3:]:
+        lines.append(f"input {input_text(i)}")
     if st["redis_lost_data"]:
         lines.append(f"REDIS LOST THIS RUN'S DATA: its marker is gone while the store has fed prompts "
                      f"(restart without persistence, or failover). Repair: {st['repair']} "

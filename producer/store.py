@@ -1,14 +1,21 @@
 """The run's store: one SQLite file on the head host, the source of truth for every prompt and result.
 
     meta(key, value)                         store_id (a uuid), run, schema, created, rejected_results
-    files(id, name)                          input files, so a prompt's source costs two integers
-    prompts(seq INTEGER PRIMARY KEY, cid UNIQUE, ep, body, file, line, cost, state)
+    files(id, name, path, fp, prompts, enqueued_at)
+                                             input files, so a prompt's source costs two integers; an
+                                             enqueue that completes records the file's absolute path and
+                                             the fingerprint of its requests (`FileFingerprint`)
+    prompts(seq INTEGER PRIMARY KEY, cid UNIQUE, ep, body, file, line, cost, state, fp)
         seq    input order across every enqueue of the run (the export's order)
-        ep     index into records.ENDPOINTS; body = the request body as JSON, sent as is
+        ep     index into records.ENDPOINTS; body = the request body as canonical JSON (sorted keys), sent as is
         cost   expected work: the body's max_tokens (or max_completion_tokens), UNBOUNDED_COST without
         state  WAITING (only in the store) -> FED (an RQ job in Redis) -> DONE (its result is here);
                CANCELLED (`producer cancel`: never fed again; its export line is error `cancelled`)
+        fp     the request's fingerprint (`fingerprint`: endpoint and canonical body); NULL in rows of
+               a store made before fingerprints (computed from ep and body when needed)
     results(seq INTEGER PRIMARY KEY, ok, line, finished_at)   one final result per prompt, as its export line
+    reruns(seq)                              prompts whose request `enqueue --rerun-changed` replaced: a
+                                             result without the new fingerprint is not theirs
     tally(name, n)                           counts per state and of successes, kept in the same
                                              transactions as the rows (COUNT(*) over 10M rows is slow)
 
@@ -24,6 +31,7 @@ Writers (enqueue, feed, collect, recover) hold SQLite's single writer lock for a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import sqlite3
@@ -33,19 +41,25 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
+from typing import Any, NamedTuple
 
-from batchfleet.records import ENDPOINTS
+import orjson
+
+from batchfleet.records import ENDPOINTS, Result
 from batchfleet.redact import private_dir
 
-__all__ = ["UNBOUNDED_COST", "MissingStore", "State", "Store", "StoreError"]
+__all__ = ["UNBOUNDED_COST", "FileFingerprint", "Input", "Known", "MissingStore", "State", "Store", "StoreError",
+           "canonical", "fingerprint"]
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"  # 3: request fingerprints, reruns, input files' paths and fingerprints
 UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so it goes first
 _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS files (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE);
+CREATE TABLE IF NOT EXISTS files (
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, path TEXT, fp TEXT, prompts INTEGER, enqueued_at REAL
+);
 CREATE TABLE IF NOT EXISTS prompts (
     seq INTEGER PRIMARY KEY,
     cid TEXT NOT NULL UNIQUE,
@@ -54,7 +68,8 @@ CREATE TABLE IF NOT EXISTS prompts (
     file INTEGER NOT NULL,
     line INTEGER NOT NULL,
     cost INTEGER NOT NULL,
-    state INTEGER NOT NULL DEFAULT 0
+    state INTEGER NOT NULL DEFAULT 0,
+    fp BLOB
 );
 CREATE INDEX IF NOT EXISTS prompts_waiting ON prompts(cost DESC, seq) WHERE state = 0;
 CREATE INDEX IF NOT EXISTS prompts_fed ON prompts(seq) WHERE state = 1;
@@ -62,10 +77,75 @@ CREATE TABLE IF NOT EXISTS results (
     seq INTEGER PRIMARY KEY, ok INTEGER NOT NULL, line BLOB NOT NULL, finished_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS tally (name TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS reruns (seq INTEGER PRIMARY KEY);
 INSERT OR IGNORE INTO tally (name, n) VALUES ('waiting', 0), ('fed', 0), ('done', 0), ('ok', 0), ('cancelled', 0);
 """
 
-_INSERT = "INSERT OR IGNORE INTO prompts (cid, ep, body, file, line, cost) VALUES (?, ?, ?, ?, ?, ?)"
+_INSERT = "INSERT OR IGNORE INTO prompts (cid, ep, body, file, line, cost, fp) VALUES (?, ?, ?, ?, ?, ?, ?)"
+
+# Schema 2 -> 3: the columns and table fingerprints need. Old rows keep fp NULL (computed when needed).
+_MIGRATE_2 = """
+ALTER TABLE prompts ADD COLUMN fp BLOB;
+ALTER TABLE files ADD COLUMN path TEXT;
+ALTER TABLE files ADD COLUMN fp TEXT;
+ALTER TABLE files ADD COLUMN prompts INTEGER;
+ALTER TABLE files ADD COLUMN enqueued_at REAL;
+CREATE TABLE IF NOT EXISTS reruns (seq INTEGER PRIMARY KEY);
+"""
+
+
+def canonical(body: dict[str, Any]) -> bytes:
+    """A request body as canonical JSON: sorted keys (at every level), no spaces. Enqueue stores it so."""
+    return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+
+
+def fingerprint(url: str, body: dict[str, Any] | bytes, *, is_canonical: bool = False) -> bytes:
+    """A request's fingerprint: 16 bytes of BLAKE2b over its endpoint and its canonical body (after the
+    defaults and per-file options enqueue applied). Two lines ask the same of the server exactly when
+    their fingerprints agree. `body` as JSON bytes is canonicalised unless `is_canonical`."""
+    if not isinstance(body, dict):
+        body = bytes(body) if is_canonical else canonical(orjson.loads(body))
+    else:
+        body = canonical(body)
+    return hashlib.blake2b(url.encode() + b"\n" + body, digest_size=16).digest()
+
+
+class FileFingerprint:
+    """The fingerprint of an input file's requests: BLAKE2b over (custom_id, request fingerprint) of
+    each prompt the file holds, in file order (rejected and duplicate lines left out). Formatting,
+    blank lines and key order do not change it; any request's change does."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=16)
+        self.prompts = 0
+
+    def add(self, cid: str, fp: bytes) -> None:
+        raw = cid.encode("utf-8", "surrogatepass")
+        self._h.update(len(raw).to_bytes(4, "big") + raw + fp)  # length-prefixed: any custom_id, no ambiguity
+        self.prompts += 1
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+class Known(NamedTuple):
+    """A prompt the store holds, as enqueue compares a line with it."""
+
+    seq: int
+    file: int
+    line: int
+    state: int
+    fp: bytes  # its request's fingerprint (computed from ep and body where the row has none)
+
+
+class Input(NamedTuple):
+    """An input file an enqueue completed: where it was and what its requests were."""
+
+    name: str  # as given on the command line (FILE:LINE messages use it)
+    path: str  # absolute
+    fp: str  # FileFingerprint, hex
+    prompts: int
+    enqueued_at: float
 
 
 def _wins(ok: int, finished_at: float, old_ok: int, old_finished_at: float) -> bool:
@@ -101,13 +181,42 @@ class Store:
         self.path = path
         self.readonly = readonly
         meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
-        if meta.get("schema") != SCHEMA_VERSION:
+        if meta.get("schema") == "2" and not readonly:
+            meta["schema"] = self._migrate_2()
+        if meta.get("schema") not in (SCHEMA_VERSION, "2"):  # 2 is read as it is where it cannot be migrated
             db.close()
             raise StoreError(f"{path} was made by another version of batchfleet (store layout "
                              f"{meta.get('schema', '1')}, this one reads {SCHEMA_VERSION})")
+        self.schema: str = meta["schema"]
         self.id: str = meta["store_id"]
         self.run: str = meta["run"]
         self.created: float = float(meta["created"])
+
+    def _migrate_2(self) -> str:
+        """Schema 2 -> 3 in one transaction (another process may have done it meanwhile): the
+        fingerprint columns, and the export lines of HTTP errors in OpenAI's shape."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            if self.db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0] == "2":
+                for statement in _MIGRATE_2.split(";"):
+                    if statement.strip():
+                        self.db.execute(statement)
+                fixed = []
+                for seq, raw in self.db.execute("SELECT seq, line FROM results WHERE ok = 0").fetchall():
+                    line = orjson.loads(raw)
+                    resp, err = line.get("response"), line.get("error")
+                    if isinstance(resp, dict) and isinstance(err, dict) and isinstance(resp.get("status_code"), int):
+                        # the one definition of an export line; the server's body was not kept then
+                        res = Result(cid=line["custom_id"], jid=str(resp.get("request_id")), seq=seq,
+                                     status_code=resp["status_code"], body=resp.get("body"), error=err)
+                        fixed.append((orjson.dumps(res.batch_output_line()), seq))
+                self.db.executemany("UPDATE results SET line = ? WHERE seq = ?", fixed)
+                self.db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (SCHEMA_VERSION,))
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return SCHEMA_VERSION
 
     # --- opening ------------------------------------------------------------------------------------
     @classmethod
@@ -245,24 +354,60 @@ class Store:
     def max_seq(self) -> int:
         return self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM prompts").fetchone()[0]
 
-    def insert_prompts(self, rows: Sequence[tuple[str, int, bytes, int, int, int]]) -> int:
-        """(cid, ep, body, file, line, cost), each a new WAITING prompt unless its cid is known (then
+    def insert_prompts(self, rows: Sequence[tuple[str, int, bytes, int, int, int, bytes]]) -> int:
+        """(cid, ep, body, file, line, cost, fp), each a new WAITING prompt unless its cid is known (then
         nothing changes). Returns how many were inserted."""
         n = self.db.executemany(_INSERT, rows).rowcount
         self._tally("waiting", n)
         return n
 
-    def known(self, cids: Sequence[str]) -> dict[str, tuple[int, int, int, int]]:
-        """cid -> (seq, file, line, state) for those of `cids` in the store."""
-        return {c: (s, f, ln, st) for c, s, f, ln, st in
-                self._among("SELECT cid, seq, file, line, state FROM prompts WHERE cid IN ({})", cids)}
+    def known(self, cids: Sequence[str]) -> dict[str, Known]:
+        """The prompts of `cids` the store holds."""
+        rows = self._among("SELECT cid, seq, file, line, state, fp, CASE WHEN fp IS NULL THEN ep END, "
+                           "CASE WHEN fp IS NULL THEN body END FROM prompts WHERE cid IN ({})", cids)
+        return {c: Known(s, f, ln, st, fp if fp is not None else fingerprint(ENDPOINTS[ep], body))
+                for c, s, f, ln, st, fp, ep, body in rows}
+
+    def replace_requests(self, rows: Sequence[tuple[int, int, bytes, int, int, int, bytes]]) -> list[tuple[int, str]]:
+        """`enqueue --rerun-changed`: (seq, ep, body, file, line, cost, fp) replace those prompts' requests.
+        A prompt with a result loses it and waits again; a waiting one waits with its new request; a
+        FED one stays FED: the result of its old request is refused when it comes (its fingerprint is
+        not the new one) and the prompt is fed again then. Every one is listed in `reruns`. Returns
+        (seq, cid) of those that had a failed result (their failed job may still be in RQ's registry)."""
+        if not rows:
+            return []
+        seqs = [row[0] for row in rows]
+        self.db.executemany("UPDATE prompts SET ep = ?, body = ?, file = ?, line = ?, cost = ?, fp = ? WHERE seq = ?",
+                            [(*row[1:], row[0]) for row in rows])
+        self.db.executemany("INSERT OR IGNORE INTO reruns (seq) VALUES (?)", [(s,) for s in seqs])
+        had = self._among("SELECT r.seq, r.ok, p.cid, p.state FROM results r JOIN prompts p ON p.seq = r.seq "
+                          "WHERE r.seq IN ({})", seqs)
+        self.db.executemany("DELETE FROM results WHERE seq = ?", [(seq,) for seq, *_ in had])
+        self._tally("ok", -sum(ok for _, ok, _, state in had if state == State.DONE))
+        for state in (State.DONE, State.CANCELLED):
+            self.set_state([seq for seq, _, _, st in had if st == state], state, State.WAITING)
+        return [(seq, cid) for seq, ok, cid, _ in had if not ok]
+
+    def record_input(self, file_id: int, path: str, fp: FileFingerprint, at: float) -> None:
+        """An enqueue of this file completed: where it was and its requests' fingerprint."""
+        self.db.execute("UPDATE files SET path = ?, fp = ?, prompts = ?, enqueued_at = ? WHERE id = ?",
+                        (path, fp.hexdigest(), fp.prompts, at, file_id))
+
+    def inputs(self) -> list[Input]:
+        """The input files whose enqueue completed, the latest last (none in a schema-2 store read as is)."""
+        if self.schema == "2":
+            return []
+        rows = self.db.execute("SELECT name, path, fp, prompts, enqueued_at FROM files WHERE enqueued_at IS NOT NULL "
+                               "ORDER BY enqueued_at, id").fetchall()
+        return [Input(*row) for row in rows]
 
     # --- feed (inside write()) ----------------------------------------------------------------------
-    def next_to_feed(self, limit: int) -> list[tuple[int, str, str, bytes]]:
-        """(seq, cid, url, body) of up to `limit` WAITING prompts: longest expected work first."""
+    def next_to_feed(self, limit: int) -> list[tuple[int, str, str, bytes, str]]:
+        """(seq, cid, url, body, fp) of up to `limit` WAITING prompts: longest expected work first. `fp`
+        is the fingerprint in hex ("" for a row made before fingerprints)."""
         rows = self.db.execute(
-            "SELECT seq, cid, ep, body FROM prompts WHERE state = 0 ORDER BY cost DESC, seq LIMIT ?", (limit,))
-        return [(seq, cid, ENDPOINTS[ep], body) for seq, cid, ep, body in rows]
+            "SELECT seq, cid, ep, body, fp FROM prompts WHERE state = 0 ORDER BY cost DESC, seq LIMIT ?", (limit,))
+        return [(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "") for seq, cid, ep, body, fp in rows]
 
     def set_state(self, seqs: Sequence[int], old: State, new: State) -> int:
         """Move the prompts `seqs` that are in state `old` to `new`; returns how many moved."""
@@ -278,9 +423,18 @@ class Store:
                                (after, limit)).fetchall()
 
     # --- collect (inside write()) -------------------------------------------------------------------
-    def lookup(self, cids: Sequence[str]) -> dict[str, tuple[int, int]]:
-        """cid -> (seq, state) for those of `cids` that were enqueued."""
-        return {c: (s, st) for c, s, st in self._among("SELECT cid, seq, state FROM prompts WHERE cid IN ({})", cids)}
+    def lookup(self, cids: Sequence[str]) -> dict[str, tuple[int, int, str, bool]]:
+        """cid -> (seq, state, fp, rerun) for those of `cids` that were enqueued: `fp` the fingerprint of
+        its request in hex ("" in a row made before fingerprints), `rerun` whether `--rerun-changed`
+        replaced its request."""
+        rows = self._among("SELECT p.cid, p.seq, p.state, p.fp, r.seq IS NOT NULL FROM prompts p "
+                           "LEFT JOIN reruns r ON r.seq = p.seq WHERE p.cid IN ({})", cids)
+        return {c: (s, st, fp.hex() if fp else "", bool(rerun)) for c, s, st, fp, rerun in rows}
+
+    def stale(self, seqs: Sequence[int]) -> int:
+        """A late result of a replaced request was refused for these prompts: those FED wait to be fed
+        again with their new request. Returns how many."""
+        return self.set_state(list(seqs), State.FED, State.WAITING)
 
     def store_results(self, rows: Sequence[tuple[int, int, int, bytes, float]]) -> int:
         """(seq, state, ok, line, finished_at). Success wins: a failure never replaces a success;
@@ -386,5 +540,10 @@ class Store:
 
     def result_lines(self) -> Iterator[bytes]:
         """Every stored result's export line, in input order."""
-        for (line,) in self.db.execute("SELECT line FROM results ORDER BY seq"):
+        for _, line in self.result_rows():
             yield line
+
+    def result_rows(self) -> Iterator[tuple[bool, bytes]]:
+        """(ok, export line) of every stored result, in input order."""
+        for ok, line in self.db.execute("SELECT ok, line FROM results ORDER BY seq"):
+            yield bool(ok), line

@@ -80,7 +80,7 @@ def test_export_errors_file_and_compressed_outputs(cli: Cli, redis_url: str, tmp
     assert rc == 0 and "2 failed prompt(s) to" in stdout
     assert [x["custom_id"] for x in lines(out)] == ["p0", "p2", "p4"]
     assert [x["custom_id"] for x in lines(errs)] == ["p1", "p3"]
-    assert all(x["error"] is not None for x in lines(errs))
+    assert all(x["error"] is None and x["response"]["status_code"] == 400 for x in lines(errs))  # HTTP errors
     default = tmp_path / "all.jsonl"
     assert cli("export", str(default))[0] == 0 and len(lines(default)) == 5  # the default keeps every line
     for name in ("all.jsonl.gz", "all.jsonl.zst"):

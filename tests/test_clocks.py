@@ -47,7 +47,7 @@ def test_the_later_result_wins_whatever_its_hosts_clock(cli: Cli, r: redis.Redis
     out = tmp_path / "out.jsonl"
     cli("export", str(out))
     (line,) = [orjson.loads(x) for x in out.read_bytes().splitlines()]
-    assert line["error"]["message"] == "on host B"
+    assert line["response"]["body"] == {"error": {"message": "on host B"}}
 
 
 def test_events_and_snapshots_are_timed_by_redis(r: redis.Redis):

@@ -246,3 +246,46 @@ def test_batchfleet_run_uses_redis_url_when_it_answers_and_says_why_a_server_is_
     assert p2.wait(240) == 0, output(tmp_path, 1)
     assert "0 new, 20 already in the store, 0 already finished" in output(tmp_path, 1)
     check_export(tmp_path, rows)
+
+
+def test_another_file_of_the_same_name_is_refused_and_rerun_changed_serves_only_its_changed_prompts(
+        tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """The same base name and custom_ids, other prompts: never the first file's answers."""
+    (tmp_path / "dA").mkdir()
+    (tmp_path / "dB").mkdir()
+    rows_a = write_prompts(tmp_path / "dA" / "prompts.jsonl", 10, max_tokens=16)
+    rows_b = [dict(row) for row in rows_a]
+    for i in (2, 5, 7):  # three prompts differ
+        key = "messages" if "messages" in rows_b[i] else "prompt"
+        rows_b[i][key] = [{"role": "user", "content": f"Something else {i}"}] if key == "messages" else f"Other {i}"
+    (tmp_path / "dB" / "prompts.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows_b))
+    env = run_env(tmp_path, SGLANG_SIM_TIME_SCALE="40")
+
+    def run(name: str, out: str, *extra: str) -> tuple[int, str]:
+        log = tmp_path / f"{out}.log"
+        with log.open("wb") as fh:
+            p = subprocess.Popen([str(BIN / "batchfleet"), "run", f"{name}/prompts.jsonl", "-o", out, "--gpus", "0",
+                                  "--state-dir", "st", "--progress-every", "1", *extra], env=env, cwd=tmp_path,
+                                 stdout=fh, stderr=subprocess.STDOUT)
+            procs.append(p)
+            code = p.wait(240)
+        return code, log.read_text(errors="replace")
+
+    def answers(out: str) -> list[str]:
+        lines = [orjson.loads(x) for x in (tmp_path / out).read_bytes().splitlines()]
+        assert all(x["error"] is None for x in lines)
+        return [text_of(x["response"]["body"]) for x in lines]
+
+    code, said = run("dA", "rA.jsonl")
+    assert code == 0, said
+    assert answers("rA.jsonl") == [expected_text(r) for r in rows_a] and served(tmp_path) == 10
+    code, said = run("dB", "rB.jsonl")
+    assert code == 2, said
+    assert "dB/prompts.jsonl:3: custom_id 'p2' is in the store of run prompts with a different request; " \
+           "3 custom_ids differ in all" in said and "--rerun-changed" in said
+    assert "started" not in said and not (tmp_path / "rB.jsonl").exists()
+    code, said = run("dB", "rB.jsonl", "--rerun-changed")
+    assert code == 0, said
+    assert "10 lines: 0 new, 0 already in the store, 7 already finished, 3 changed (run again)" in said
+    assert answers("rB.jsonl") == [expected_text(r) for r in rows_b]
+    assert served(tmp_path) == 3  # the new server's record: only the three changed prompts ran

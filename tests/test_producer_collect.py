@@ -69,8 +69,9 @@ def test_export_order_shape_and_pending(cli: Cli, r: redis.Redis, redis_url: str
     jid = job_id_for(RUN, "p0")
     assert ok["id"] == f"batch_req_{jid}" and ok["response"]["request_id"] == jid
     assert ok["response"]["body"]["usage"]["completion_tokens"] == 10
-    assert failed["error"] == {"code": "invalid_prompt", "message": "too long"}
-    assert failed["response"]["status_code"] == 400
+    # an HTTP error answer: its status and the server's body in `response`, `error` null (OpenAI's shape)
+    assert failed["error"] is None and failed["response"] == {
+        "status_code": 400, "request_id": job_id_for(RUN, "p2"), "body": {"error": {"message": "too long"}}}
 
     work(redis_url, ["gpu0", "gpu1"])
     rc, _, lines = export_lines(cli, out)

@@ -48,8 +48,8 @@ def test_cancel_removes_every_job_without_a_result_and_exports_one_line_per_prom
     lines = [orjson.loads(x) for x in out_file.read_bytes().splitlines()]
     assert rc == 0 and "6 line(s) are prompts the run's cancel took back" in out
     assert [x["custom_id"] for x in lines] == [f"p{i}" for i in range(10)]
-    assert Counter(x["error"]["code"] if x["error"] else "ok" for x in lines) == {
-        "ok": 3, "invalid_prompt": 1, "cancelled": 6}
+    assert Counter(x["error"]["code"] if x["error"] else x["response"]["status_code"] for x in lines) == {
+        200: 3, 400: 1, "cancelled": 6}
     st = orjson.loads(cli("status", "--json")[1])
     assert st["totals"]["cancelled"] == 6 and st["totals"]["pending"] == 0
     assert "6 cancelled, 0 pending" in cli("status")[1]

@@ -23,7 +23,7 @@ from batchfleet.serializer import OrjsonSerializer
 from producer import parse as parse_module
 from producer.collect import collect_once
 from producer.locate import HOST
-from producer.store import Store
+from producer.store import Store, fingerprint
 
 from .test_producer_helpers import RUN, Cli, job_prompt, make_cli, queued_ids, simple, work, write_jsonl
 
@@ -66,8 +66,9 @@ def test_jobs_are_lean_rq_jobs_and_the_run_is_marked(cli: Cli, r: redis.Redis, r
     job = Job.fetch(jid, connection=r, serializer=OrjsonSerializer)
     assert job.func_name == GENERATE and job.get_status() == "queued" and job.origin in ("gpu0", "gpu1")
     (prompt,) = job.args
-    assert Prompt.from_dict(prompt) == Prompt(cid="b", seq=2, url="/v1/completions", run=RUN, body={
-        "prompt": "Once upon", "temperature": 0.5, "max_tokens": 64, "model": "default"})
+    body = {"prompt": "Once upon", "temperature": 0.5, "max_tokens": 64, "model": "default"}
+    assert Prompt.from_dict(prompt) == Prompt(cid="b", seq=2, url="/v1/completions", run=RUN, body=body,
+                                              fp=fingerprint("/v1/completions", body).hex())
     # lean: the fields RQ needs (data for Job.restore, origin for `rq requeue`, status for get_status)
     assert set(r.hkeys(Keys.job(jid))) == {b"data", b"origin", b"status"}
     assert int(r.hget(Keys(RUN).stats, "enqueued")) == 3
@@ -129,14 +130,15 @@ def test_bad_lines_go_to_stderr_and_rejects_file(cli: Cli, r: redis.Redis, tmp_p
 
 
 def test_duplicates_inside_a_file_run_once(cli: Cli, r: redis.Redis, tmp_path: Path) -> None:
-    # the second x is in the same batch as the first, the second y in a later one
+    # the second x is in the same batch as the first, the second y in a later one; the same request
+    # again is a duplicate, another request under the same custom_id a rejected line
     f = write_jsonl(tmp_path / "in.jsonl", [{"id": "x", "prompt": "1"}, {"id": "y", "prompt": "2"},
-                                            {"id": "x", "prompt": "3"}, *simple(6000), {"id": "y", "prompt": "4"}])
+                                            {"id": "x", "prompt": "1"}, *simple(6000), {"id": "y", "prompt": "4"}])
     rc, out, err = cli("enqueue", str(f), "--no-progress")
     assert rc == 1
     assert f"{f}:3: duplicate custom_id 'x' (first at line 1)" in err
-    assert f"{f}:6004: duplicate custom_id 'y' (first at line 2)" in err
-    assert "6,002 new" in out and "2 duplicates" in out
+    assert f"{f}:6004: custom_id 'y' is already on line 2 with a different request" in err
+    assert "6,002 new" in out and "1 rejected, 1 duplicates" in out
     rows = store_rows(tmp_path)
     assert rows["x"] == (1, 1, 1) and rows["y"] == (2, 2, 1) and len(rows) == 6002
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +37,13 @@ def make_cli(redis_url: str, state: Path, monkeypatch: pytest.MonkeyPatch,
         return rc, out, err
 
     return run
+
+
+def summary(out: str) -> tuple[int, str]:
+    """(lines, counts) of what `producer enqueue` printed: `FILE: N lines in S s (R/s): COUNTS; store P`."""
+    m = re.search(r": ([\d,]+) lines in \S+ s \([\d,]+/s\): (.*); store ", out)
+    assert m, out
+    return int(m.group(1).replace(",", "")), m.group(2)
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:
@@ -74,10 +82,10 @@ def work(redis_url: str, queues: list[str], n: int = 10**9, *, fail: Callable[[s
                     back.append(c)
                     continue
                 if fail(p.cid):
-                    res = Result(cid=p.cid, jid=c.jid, seq=p.seq, status_code=400, worker="w0",
+                    res = Result(cid=p.cid, jid=c.jid, seq=p.seq, status_code=400, worker="w0", fp=p.fp,
                                  error={"code": "invalid_prompt", "message": "too long"})
                 else:
-                    res = Result(cid=p.cid, jid=c.jid, seq=p.seq, status_code=200, worker="w0",
+                    res = Result(cid=p.cid, jid=c.jid, seq=p.seq, status_code=200, worker="w0", fp=p.fp,
                                  body={"id": "cmpl-" + p.cid, "choices": [{"text": "ok"}],
                                        "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens}})
                 ledger.finish(c, res, exc_string="invalid_prompt: too long" if fail(p.cid) else "")

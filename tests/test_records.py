@@ -68,3 +68,49 @@ def test_prompt_from_dict_checks_types():
 def test_a_valid_spec_round_trips():
     spec = ServerSpec(generation=4, strategy="no_buffer", mem_fraction_static=0.9, max_running_requests=128)
     assert ServerSpec.from_json(spec.to_json()) == spec
+
+
+def _openai_shaped(line: dict) -> None:
+    """OpenAI's BatchRequestOutput, field by field: id, custom_id (strings); response null or
+    {status_code: int, request_id: str, body: object}; error null or {code: str, message: str}; exactly
+    one of response and error set."""
+    assert set(line) == {"id", "custom_id", "response", "error"}
+    assert isinstance(line["id"], str) and line["id"].startswith("batch_req_") and isinstance(line["custom_id"], str)
+    assert (line["response"] is None) != (line["error"] is None)
+    if line["response"] is not None:
+        assert set(line["response"]) == {"status_code", "request_id", "body"}
+        assert isinstance(line["response"]["status_code"], int) and isinstance(line["response"]["request_id"], str)
+        assert isinstance(line["response"]["body"], dict)
+    else:
+        assert set(line["error"]) == {"code", "message"} and all(isinstance(v, str) for v in line["error"].values())
+
+
+SERVER_400 = {"object": "error", "message": "The input (9000 tokens) is longer than the model's context length "
+              "(4096 tokens).", "type": "BadRequestError", "param": None, "code": 400}
+
+
+@pytest.mark.parametrize("result, response, error", [
+    # an HTTP error answer: its status and the server's own body, no error object
+    (Result(cid="c", jid="j", seq=1, status_code=400, body=SERVER_400,
+            error={"code": "invalid_prompt", "message": "HTTP 400: too long"}),
+     {"status_code": 400, "request_id": "j", "body": SERVER_400}, None),
+    (Result(cid="c", jid="j", seq=1, status_code=503, body={"error": {"message": "The request queue is full."}},
+            error={"code": "retries_exhausted", "message": "HTTP 503: full (after 3 attempts)"}),
+     {"status_code": 503, "request_id": "j", "body": {"error": {"message": "The request queue is full."}}}, None),
+    # an answer whose body was not JSON: its status, the text in an error body
+    (Result(cid="c", jid="j", seq=1, status_code=413, error={"code": "invalid_prompt", "message": "HTTP 413: big"}),
+     {"status_code": 413, "request_id": "j", "body": {"error": {"message": "HTTP 413: big"}}}, None),
+    # no HTTP answer (or none usable): the error object, no response
+    (Result(cid="c", jid="j", seq=1, status_code=0, error={"code": "retries_exhausted", "message": "refused"}),
+     None, {"code": "retries_exhausted", "message": "refused"}),
+    (Result(cid="c", jid="j", seq=1, status_code=200, error={"code": "retries_exhausted", "message": "not JSON"}),
+     None, {"code": "retries_exhausted", "message": "not JSON"}),
+    (Result(cid="c", jid="j", seq=1, status_code=0, error={"code": "server_crash", "message": "died"}),
+     None, {"code": "server_crash", "message": "died"}),
+    (Result(cid="c", jid="j", seq=1, status_code=200, body={"choices": []}),
+     {"status_code": 200, "request_id": "j", "body": {"choices": []}}, None),
+])
+def test_an_http_error_is_exported_as_its_answer_and_only_no_answer_as_an_error(result, response, error):
+    line = result.batch_output_line()
+    assert line == {"id": "batch_req_j", "custom_id": "c", "response": response, "error": error}
+    _openai_shaped(orjson.loads(orjson.dumps(line)))

@@ -407,3 +407,23 @@ def test_a_cancellation_that_arrives_as_a_connect_fails_is_not_swallowed() -> No
             await pool.aclose()
 
     asyncio.run(go())
+
+
+def test_an_error_answer_keeps_the_servers_json_body() -> None:
+    async def go(srv: RawServer) -> None:
+        client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
+        try:
+            with pytest.raises(PromptError) as bad:
+                await sglang.complete(client, "/bad", {})
+            assert bad.value.body == {"object": "error", "message": "The input is longer than the context.",
+                                      "code": 400}
+            with pytest.raises(RetryableError) as full:
+                await sglang.complete(client, "/full", {})
+            assert full.value.body == {"error": {"message": "The request queue is full."}}
+            with pytest.raises(RetryableError) as garbage:
+                await sglang.complete(client, "/garbage", {})
+            assert garbage.value.body is None  # not JSON: the message holds its text
+        finally:
+            await client.aclose()
+
+    run(go)

@@ -13,12 +13,16 @@ import orjson
 import pytest
 
 from producer.enqueue import cost_of
-from producer.store import UNBOUNDED_COST, MissingStore, State, Store, StoreError
+from producer.store import UNBOUNDED_COST, MissingStore, State, Store, StoreError, fingerprint
 
 
-def rows(n: int, *, start: int = 0, file_id: int = 1) -> list[tuple[str, int, bytes, int, int, int]]:
-    return [(f"c{i}", 1, orjson.dumps({"prompt": f"p{i}", "max_tokens": 16 * (i % 3 + 1)}), file_id, i + 1,
-             16 * (i % 3 + 1)) for i in range(start, start + n)]
+def rows(n: int, *, start: int = 0, file_id: int = 1) -> list[tuple[str, int, bytes, int, int, int, bytes]]:
+    out = []
+    for i in range(start, start + n):
+        body = {"prompt": f"p{i}", "max_tokens": 16 * (i % 3 + 1)}
+        out.append((f"c{i}", 1, orjson.dumps(body), file_id, i + 1, 16 * (i % 3 + 1),
+                    fingerprint("/v1/completions", body)))
+    return out
 
 
 def check_tally(store: Store) -> None:
@@ -167,7 +171,8 @@ def test_insert_is_idempotent_by_custom_id_and_keeps_input_order(tmp_path: Path)
         assert s.insert_prompts(rows(5, start=8)) == 3
     assert s.counts() == {"prompts": 13, "succeeded": 0, "failed": 0, "pending": 13, "waiting": 13, "fed": 0,
                           "cancelled": 0}
-    assert s.known(["c0", "c12", "zz"]) == {"c0": (1, 1, 1, 0), "c12": (13, 1, 13, 0)}
+    fp = {row[0]: row[6] for row in rows(13)}
+    assert s.known(["c0", "c12", "zz"]) == {"c0": (1, 1, 1, 0, fp["c0"]), "c12": (13, 1, 13, 0, fp["c12"])}
     check_tally(s)
 
 
@@ -176,10 +181,10 @@ def test_feed_order_is_longest_first_then_input_order(tmp_path: Path) -> None:
     with s.write():
         s.insert_prompts(rows(9))
         first = s.next_to_feed(4)
-        assert [cid for _, cid, _, _ in first] == ["c2", "c5", "c8", "c1"]  # max_tokens 48, 48, 48, then 32
+        assert [row[1] for row in first] == ["c2", "c5", "c8", "c1"]  # max_tokens 48, 48, 48, then 32
         assert first[0][2] == "/v1/completions" and orjson.loads(first[0][3]) == {"prompt": "p2", "max_tokens": 48}
         assert s.set_state([seq for seq, *_ in first], State.WAITING, State.FED) == 4
-        assert [cid for _, cid, _, _ in s.next_to_feed(3)] == ["c4", "c7", "c0"]
+        assert [row[1] for row in s.next_to_feed(3)] == ["c4", "c7", "c0"]
         assert s.set_state([3], State.WAITING, State.FED) == 0  # c2 is FED already: not moved twice
     assert [cid for _, cid in s.fed()] == ["c1", "c2", "c5", "c8"]
     assert [cid for _, cid in s.fed(after=3, limit=2)] == ["c5", "c8"]

@@ -318,3 +318,29 @@ def test_a_drain_waits_for_a_slow_hand_back_and_counts_it(r, redis_url, caplog):
     assert sorted(x.decode() for x in r.lrange("rq:queue:gpu0", 0, -1)) == sorted(jids)
     assert r.zcard(k.leases) == 0
     assert not [rec for rec in caplog.records if "survived its cancellation" in rec.getMessage()]
+
+
+class AnsweringBackend(Backend):
+    """Fails c1 as a server does, with its JSON error body (400), and c2 with 503 until retries run out."""
+
+    async def __call__(self, prompt: Prompt) -> dict:
+        if prompt.cid == "c1":
+            raise PromptError("HTTP 400: too long", status_code=400, body={"object": "error", "message": "too long"})
+        if prompt.cid == "c2":
+            raise RetryableError("HTTP 503: full", status_code=503, body={"error": {"message": "full"}})
+        return await super().__call__(prompt)
+
+
+def test_a_failed_prompts_result_keeps_the_servers_error_body_and_echoes_the_prompts_fingerprint(r, redis_url):
+    q = Queue("gpu0", connection=r, serializer=OrjsonSerializer)
+    for i in range(3):
+        q.enqueue("batchfleet.jobs.generate", {"cid": f"c{i}", "seq": i, "url": "/v1/completions",
+                                               "body": {"prompt": f"p{i}"}, "fp": f"{i:032x}", "run": "t"},
+                  result_ttl=0, job_id=job_id_for("t", f"c{i}"))
+    run_burst(redis_url, AnsweringBackend(), capacity=3, max_attempts=2, backoff_base_s=0.01)
+    got = results(r)
+    assert [got[f"c{i}"].fp for i in range(3)] == [f"{i:032x}" for i in range(3)]
+    assert got["c0"].ok and got["c0"].status_code == 200
+    assert (got["c1"].status_code, got["c1"].body) == (400, {"object": "error", "message": "too long"})
+    assert (got["c2"].status_code, got["c2"].body, got["c2"].error["code"]) == (503, {"error": {"message": "full"}},
+                                                                                 "retries_exhausted")

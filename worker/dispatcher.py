@@ -293,7 +293,7 @@ class Dispatcher:
                     server_gone = exc.status_code is None and not self.server_ok()
                     if not server_gone and flight.attempts >= self.config.max_attempts:
                         self._fail(flight, exc.status_code or 0, "retries_exhausted",
-                                   f"{exc} (after {flight.attempts} attempts)")
+                                   f"{exc} (after {flight.attempts} attempts)", exc.body)
                         return
                     self.slots.release()  # no slot is held while it waits
                     holding = False
@@ -303,7 +303,7 @@ class Dispatcher:
                     continue
                 except PromptError as exc:
                     flight.inside = False
-                    self._fail(flight, exc.status_code, "invalid_prompt", str(exc))
+                    self._fail(flight, exc.status_code, "invalid_prompt", str(exc), exc.body)
                     return
                 flight.inside = False
                 self._succeed(flight, body)
@@ -410,20 +410,21 @@ class Dispatcher:
         assert flight.prompt is not None
         prompt = flight.prompt
         result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=200, body=body,
-                        worker=self.worker, attempts=flight.attempts, finished_at=self.clock())
+                        worker=self.worker, attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
         flight.settled = True
         self.done += 1
         self.turnover.finished(time.monotonic())
         self.on_completion(result.completion_tokens)
         self.ledger.finish(flight.claim, result)
 
-    def _fail(self, flight: Flight, status: int, code: str, message: str) -> None:
+    def _fail(self, flight: Flight, status: int, code: str, message: str, body: object = None) -> None:
+        """`body`: the server's error answer (JSON), exported as its response body; kept only as an object."""
         assert flight.prompt is not None
         prompt = flight.prompt
         message = self.scrub(message)
         result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=status,
-                        error={"code": code, "message": message}, worker=self.worker, attempts=flight.attempts,
-                        finished_at=self.clock())
+                        body=body if isinstance(body, dict) else None, error={"code": code, "message": message},
+                        worker=self.worker, attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
         flight.settled = True
         self.failed += 1
         self.turnover.finished(time.monotonic())
@@ -499,7 +500,7 @@ class Dispatcher:
                    f"in it; quarantined, never run again. Last death: {reason}\n--- server log (tail) ---\n{tail}")
         return Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=0,
                       error={"code": "server_crash", "message": message}, worker=self.worker,
-                      attempts=flight.attempts, finished_at=self.clock())
+                      attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
 
     async def drop_cancelled(self) -> int:
         """The run was cancelled: claim nothing more of it; cancel every in-flight prompt (its request

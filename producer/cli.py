@@ -294,9 +294,8 @@ def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit:
 
 def _interrupted(config: Config, r: redis.Redis, explicit: bool) -> int:
     stored = _stored(config, r, explicit)
-    print(f"producer: interrupted: the store of run {config.run} holds {stored} prompt(s) (the lines read so far "
-          "and any from earlier); run the same command again to resume: stored lines are skipped, none runs "
-          "twice", file=sys.stderr)
+    print(f"producer: interrupted: the store of run {config.run} holds {stored} prompt(s); run the same command "
+          "again to resume: stored lines are skipped, none runs twice", file=sys.stderr)
     return 130
 
 

@@ -348,6 +348,8 @@ def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model
     start = time.monotonic()
 
     def reject(lineno: int, reason: str, raw: bytes, length: int, *, duplicate: bool = False) -> None:
+        if len(reason) > QUOTE_BYTES // 2:  # a reason quotes the line (a key, a custom_id): as little of it
+            reason = reason[: QUOTE_BYTES // 2] + "..."
         if duplicate:
             summary.duplicates += 1
         else:

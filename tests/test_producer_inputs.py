@@ -78,17 +78,20 @@ def test_the_rejects_file_quotes_the_start_of_a_huge_line_and_never_holds_it_who
     monkeypatch.setattr("producer.inputs.MAX_LINE_BYTES", 1 << 20, raising=False)  # as MAX_BODY_BYTES + 64 KiB
     not_json = b'{"id": "big", "prompt": "' + b"x" * 300_000  # no closing quote
     too_long = b'{"id": "huge", "prompt": "' + b"y" * (3 << 20) + b'"}'
-    f = write_jsonl(tmp_path / "in.jsonl", [*simple(1), not_json, too_long, *simple(1, "q")])
+    odd_key = orjson.dumps({"id": "k", "prompt": "x", "z" * 100_000: 1})  # its reason quotes the key
+    f = write_jsonl(tmp_path / "in.jsonl", [*simple(1), not_json, too_long, odd_key, *simple(1, "q")])
     rc, out, err = cli("enqueue", str(f), "--no-progress")
     assert rc == 1
-    assert (tmp_path / "in.jsonl.rejects.jsonl").stat().st_size < 4096
+    assert (tmp_path / "in.jsonl.rejects.jsonl").stat().st_size < 8192
     rejects = [orjson.loads(x) for x in (tmp_path / "in.jsonl.rejects.jsonl").read_bytes().splitlines()]
     assert [(x["line"], x["bytes"], len(x["text"].encode())) for x in rejects] == [
-        (2, len(not_json) + 1, 1024), (3, len(too_long) + 1, 1024)]
+        (2, len(not_json) + 1, 1024), (3, len(too_long) + 1, 1024), (4, len(odd_key) + 1, 1024)]
     assert rejects[1]["text"].startswith('{"id": "huge", "prompt": "yyy')
+    assert rejects[2]["reason"].startswith("unknown sampling key 'zzz") and len(rejects[2]["reason"]) < 600
     assert f"{f}:2: not JSON" in err
     assert f"{f}:3: line of {len(too_long) + 1:,} bytes is longer than any request may be" in err
-    assert summary(out) == (4, "2 new, 0 already in the store, 0 already finished, 2 rejected, 0 duplicates")
+    assert max(len(line) for line in err.splitlines()) < 1000  # stderr quotes no line whole either
+    assert summary(out) == (5, "2 new, 0 already in the store, 0 already finished, 3 rejected, 0 duplicates")
 
 
 def test_the_counts_of_a_resume_add_up_to_the_files_lines(cli: Cli, redis_url: str, tmp_path: Path) -> None:

@@ -105,12 +105,14 @@ def summary(out: Path, workdir: Path, run: str, elapsed: float, time_scale: floa
     with out.open("rb") as f:
         for line in f:
             rec = orjson.loads(line)
-            if rec["error"] is None:
+            resp = rec["response"]
+            if resp is not None and resp["status_code"] == 200:
                 ok += 1
-                tokens += rec["response"]["body"]["usage"]["completion_tokens"]
-            else:
+                tokens += resp["body"]["usage"]["completion_tokens"]
+            else:  # an HTTP error answer (its status and the server's body), or no answer (`error`)
                 failed += 1
-                reasons.append(f"{rec['custom_id']}: {rec['error']['message'][:100]}")
+                why = rec["error"]["message"] if resp is None else f"HTTP {resp['status_code']}: {resp['body']}"
+                reasons.append(f"{rec['custom_id']}: {why[:100]}")
     rejects_path = workdir / f"{run}.rejects.jsonl"
     rejects = sum(1 for _ in rejects_path.open()) if rejects_path.exists() else 0
     console.rule("summary")

@@ -20,7 +20,7 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | bf:<run>:done | set | worker/collector | job ids whose result is in the stream but not yet collected |
 | bf:<run>:results | stream | worker | result records on their way to the collector (bounded by it) |
 | bf:<run>:meta | hash | producer | the run marker: the run's store (host, path, id), created, queues (*) |
-| bf:<run>:stats | hash | all | counters (below); `store_waiting` (**) |
+| bf:<run>:stats | hash | all | counters (below); `store_waiting`, `store_pending` (**) |
 | bf:<run>:workers | set | worker | names of workers that published a status record |
 | bf:<run>:status:<worker> | string | worker | the worker's latest status record (expires) |
 | bf:<run>:events | stream | supervisor/worker | `Event`s (field `e`): decisions and restarts (capped) |
@@ -47,7 +47,8 @@ the store; `rq requeue` still works: the worker hands it to the head through `re
 
 (*) No TTL while the run has prompts to finish (an ended run's keys expire). Its absence while the
 store has prompts in Redis (FED) means Redis lost the run's data (see `batchfleet.marker`).
-(**) A gauge, not a counter: prompts in the store the head has not fed to Redis yet (set by the head).
+(**) Gauges, not counters, set by the head on each pass: prompts in the store it has not fed to Redis
+yet (`store_waiting`), and prompts in the store without a result (`store_pending`).
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def valid_queue_name(name: object) -> bool:
     return isinstance(name, str) and QUEUE_NAME_RE.fullmatch(name) is not None
 
 
-# A field of `stats` that is a gauge, not a counter: prompts in the store the head has not fed yet.
+# Fields of `stats` that are gauges, not counters (the head sets them): prompts in the store it has not
+# fed yet, and prompts in the store without a result.
 STORE_WAITING = "store_waiting"
+STORE_PENDING = "store_pending"
 
 # TTLs and caps, in seconds or entries.
 FAILURE_TTL_S = 7 * 24 * 3600  # failed jobs stay requeueable for a week (RQ's default is a year)

@@ -156,7 +156,7 @@ class Screen:
 
     def progress(self, p: dict[str, Any], *, force: bool = False) -> None:
         tps = f"{p['fleet_tokens_per_s']:,.0f} tok/s" if p["fleet_tokens_per_s"] else "no tok/s yet"
-        info = f"ETA {p['eta']}  {tps}  workers {p['workers']['fresh']}"
+        info = f"ETA {p['eta']}  {tps}  workers {p['workers']['live']}"
         if self.bar is None and self.stream.isatty():
             self._start_bar()
         if self.bar is not None:

@@ -10,11 +10,12 @@ from typing import Any
 import redis
 
 from batchfleet.config import DEFAULT_QUEUE, Config
+from batchfleet.fleetview import read_fleet_view
 from batchfleet.keys import Keys
 from batchfleet.records import job_id_for
 
 from .enqueue import EmptyInput, EnqueueSummary, enqueue_file
-from .feed import FeedSummary, feed_pass, read_fleet_view
+from .feed import FeedSummary, feed_pass
 from .inputs import Lines
 from .locate import Located, Mode, ensure_marker, locate
 from .recover import _take_failed, recover

@@ -49,6 +49,7 @@ import redis
 
 from batchfleet.config import Config
 from batchfleet.connection import redacted
+from batchfleet.fleetview import read_fleet_view
 from batchfleet.keys import (
     RQ_FAILED_PREFIX,
     RQ_JOB_PREFIX,
@@ -62,7 +63,7 @@ from batchfleet.keys import (
     valid_queue_name,
 )
 from batchfleet.marker import FINISHED, read_marker
-from batchfleet.records import RecordError, WorkerStatus, job_id_for
+from batchfleet.records import RecordError, job_id_for
 
 from .collect import collect_once
 from .store import State, Store
@@ -177,19 +178,8 @@ def cancelled_line(run: str, cid: str, at: float) -> bytes:
 
 
 def live_workers(r: redis.Redis, keys: Keys) -> list[str]:
-    """Names of the run's workers whose status record is alive (Redis expires silent ones)."""
-    names = sorted(n.decode(errors="replace") for n in r.smembers(keys.workers))
-    raws = r.mget([keys.status(n) for n in names]) if names else []
-    out = []
-    for name, raw in zip(names, raws, strict=True):
-        if raw is None:
-            continue
-        try:
-            WorkerStatus.from_json(raw)
-        except RecordError:
-            continue
-        out.append(name)
-    return out
+    """Names of the run's live workers (`batchfleet.fleetview`: the newest record of each queue)."""
+    return [w.worker for w in read_fleet_view(r, keys).live]
 
 
 # --- cancel -----------------------------------------------------------------------------------------

@@ -5,10 +5,11 @@ Per queue the head keeps `window_target` prompts waiting in Redis:
     max(2 x effective capacity of the live workers serving it, window_s x its measured drain rate)
 
 capped at `window_max`; `window_default` while nothing is known (no live worker on it, nothing drained
-yet). The drain rate is measured from the run's counters (`succeeded:<q>` + `failed:<q>`: a prompt
-stolen by another GPU's worker still counts for the queue it came from), so it is the rate that
-empties that queue. The queues fed are those live workers serve (their status records carry `queue`)
-plus those given for the run (the marker's `queues`).
+yet). The capacity is `batchfleet.fleetview`'s: the live worker of each queue (newest record per queue,
+not silent). The drain rate is measured from the run's counters (`succeeded:<q>` + `failed:<q>`: a
+prompt stolen by another GPU's worker still counts for the queue it came from), so it is the rate that
+empties that queue. The queues fed are those live workers serve plus those given for the run (the
+marker's `queues`).
 
 A feed pass takes the WAITING prompts with the longest expected work first (max_tokens desc, then
 input order: the long generations start early and do not straggle at the end of the run), deals them
@@ -28,51 +29,17 @@ import orjson
 import redis
 
 from batchfleet.config import Config
+from batchfleet.fleetview import read_fleet_view
 from batchfleet.jobs import GENERATE
-from batchfleet.keys import RQ_QUEUES, Keys, valid_queue_name
-from batchfleet.records import MAX_RUNNING_RANGE, RecordError, WorkerState, WorkerStatus, job_id_for
+from batchfleet.keys import RQ_QUEUES, Keys
+from batchfleet.records import job_id_for
 
 from .lua import FEED_LUA
 from .store import State, Store
 
-__all__ = ["DrainMeter", "FeedSummary", "Feeder", "FleetView", "feed_pass", "read_fleet_view", "window_target"]
+__all__ = ["DrainMeter", "FeedSummary", "Feeder", "feed_pass", "window_target"]
 
 FEED_BATCH = 2000  # prompts per store transaction and Lua call
-
-
-@dataclass
-class FleetView:
-    """What the run's fresh worker status records say (validated: they are data from Redis)."""
-
-    capacity: dict[str, int] = field(default_factory=dict)  # queue -> summed effective capacity
-    fresh: int = 0
-    known: int = 0
-    tokens_per_s: float = 0.0
-    # (worker, queue, state, message) of fresh workers whose server is not serving: down, starting...
-    not_serving: list[tuple[str, str, str, str]] = field(default_factory=list)
-
-
-def read_fleet_view(r: redis.Redis, keys: Keys) -> FleetView:
-    names = sorted(n.decode(errors="replace") for n in r.smembers(keys.workers))
-    view = FleetView(known=len(names))
-    for raw in r.mget([keys.status(n) for n in names]) if names else []:
-        if raw is None:
-            continue
-        try:
-            ws = WorkerStatus.from_json(raw)
-        except RecordError:
-            continue
-        # Fresh = the record exists: Redis expires it STATUS_TTL_S after its worker's last write. Its own
-        # `ts` is the worker host's clock and is never compared with this host's.
-        if not valid_queue_name(ws.queue):
-            continue
-        view.fresh += 1
-        view.tokens_per_s += max(0.0, min(ws.tokens_per_s, 1e7))
-        cap = max(0, min(ws.effective_max, MAX_RUNNING_RANGE[1]))
-        view.capacity[ws.queue] = view.capacity.get(ws.queue, 0) + cap
-        if ws.state is not WorkerState.SERVING:
-            view.not_serving.append((ws.worker, ws.queue, str(ws.state.value), ws.message[:500]))
-    return view
 
 
 class DrainMeter:

@@ -7,8 +7,10 @@ the run's store. Every `interval_s` it
   3. every `audit_s`, audits the fed prompts: ones that are nowhere in Redis are requeued; ones failed by
      a foreign (stock RQ) worker are reported with the repair command, not requeued (that worker would
      eat them again);
-  4. tops each queue up to its window from the store (`feed`), longest expected work first, and
-     publishes how many prompts still wait in the store (`stats` field `store_waiting`);
+  4. tops each queue up to its window from the store (`feed`), longest expected work first, sized on
+     the fleet as `batchfleet.fleetview` reads it, and publishes how many prompts still wait in the
+     store and how many have no result (`stats` fields `store_waiting`, `store_pending`: what the
+     supervisor's ETA counts);
   5. once the run has ended (nothing pending: every prompt has its result, or `producer cancel`), it
      only collects: no marker check, audit or feed, and it gives the run's keys their TTL
      (`ends.expire_finished`, config `finished_ttl_s`) without writing a key again. Prompts enqueued
@@ -34,13 +36,14 @@ import redis
 from batchfleet.config import Config
 from batchfleet.connection import connect, redacted
 from batchfleet.errors import RecordError
-from batchfleet.keys import STORE_WAITING, Keys
+from batchfleet.fleetview import read_fleet_view
+from batchfleet.keys import STORE_PENDING, STORE_WAITING, Keys
 from batchfleet.marker import RunMarker, read_marker, repair_command
 from batchfleet.redact import Scrubber
 
 from .collect import CollectSummary, collect_once
 from .ends import expire_finished, mark_ended, refeed
-from .feed import DrainMeter, Feeder, read_fleet_view
+from .feed import DrainMeter, Feeder
 from .locate import Mode, NoStore, ensure_marker, locate
 from .recover import audit, recover
 from .store import Store, StoreError
@@ -72,6 +75,7 @@ class Head:
         self.stop = threading.Event()
         self._scrub = Scrubber.for_config(config)  # an error text never prints a secret
         self.ended = False  # the run's keys were given their end-of-run TTL
+        self.gauges: dict[str, int] = {}  # what was last published to the run's stats
 
     def say(self, text: str) -> None:
         print(f"head: {self._scrub(text)}", file=self.log, flush=True)
@@ -134,6 +138,8 @@ class Head:
         with self.store.read():
             counts = self.store.counts()
         if cancelled or counts["pending"] == 0:  # ended (or being cancelled): collect only
+            if self.gauges:  # this head published while the run was live: say it ended (and once only)
+                self._publish(counts, changed_only=True)
             if got.stored:
                 self.say(f"+{got.succeeded:,} ok, +{got.failed:,} failed (total {self.total.succeeded:,} ok, "
                          f"{self.total.failed:,} failed); {counts['pending']:,} pending")
@@ -147,24 +153,29 @@ class Head:
                 pipe.persist(key)
             pipe.execute()
             self.say(f"run {self.config.run} has prompts to run again: its keys no longer expire")
-        stats = {k.decode(errors="replace"): int(float(v)) for k, v in self.r.hgetall(self.keys.stats).items()
-                 if _is_num(v)}
-        self.meter.update(stats)
+        view = read_fleet_view(self.r, self.keys)
+        self.meter.update({name: int(v) for name, v in view.stats.items()})
         if time.monotonic() >= self.next_audit:
             self.next_audit = time.monotonic() + self.audit_s
             self._audit()
-        view = read_fleet_view(self.r, self.keys)
         queues = list(dict.fromkeys((*(self.marker.queues if self.marker else ()), *view.capacity)))
         fed = self.feeder.top_up(self.feeder.targets(queues, view.capacity, self.meter))
         self.fed_total += fed.total
         with self.store.read():
             counts = self.store.counts()
-        self.r.hset(self.keys.stats, STORE_WAITING, counts["waiting"])
+        self._publish(counts)
         if got.stored or fed.total:
             per_queue = ", ".join(f"{q} {n:,}" for q, n in fed.fed.items() if n)
             self.say(f"+{got.succeeded:,} ok, +{got.failed:,} failed (total {self.total.succeeded:,} ok, "
                      f"{self.total.failed:,} failed); fed {fed.total:,}{' (' + per_queue + ')' if per_queue else ''}; "
                      f"{counts['waiting']:,} waiting in the store, {counts['pending']:,} pending")
+
+    def _publish(self, counts: dict[str, int], *, changed_only: bool = False) -> None:
+        """The store's figures for those without it (the supervisor's ETA, `producer runs`)."""
+        gauges = {STORE_WAITING: counts["waiting"], STORE_PENDING: counts["pending"]}
+        if not (changed_only and gauges == self.gauges):
+            self.r.hset(self.keys.stats, mapping=gauges)
+            self.gauges = gauges
 
     def _end(self, counts: dict[str, int], cancelled: bool) -> None:
         """The run has ended: its keys expire after `finished_ttl_s` (once; nothing is written again)."""
@@ -236,10 +247,3 @@ class Head:
                      f"{repair_command(self.config.run, str(self.store.path.parent))}")
         self.said_foreign = n
 
-
-def _is_num(v: bytes) -> bool:
-    try:
-        float(v)
-    except ValueError:
-        return False
-    return True

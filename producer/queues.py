@@ -15,8 +15,9 @@ import redis
 
 from batchfleet.config import expand_queues, gpu_index_for_queue, queue_host
 from batchfleet.errors import ConfigError
+from batchfleet.fleetview import read_fleet_view
 from batchfleet.keys import Keys
-from batchfleet.records import RecordError, WorkerState, WorkerStatus
+from batchfleet.records import WorkerState
 
 __all__ = ["LIVE", "live_queues", "resolve_queues"]
 
@@ -24,20 +25,9 @@ LIVE = "live"
 
 
 def live_queues(r: redis.Redis, keys: Keys) -> list[str]:
-    """The queues of the run's workers whose status record is alive (Redis expires silent ones), ordered
-    by host then GPU index; records that do not decode are skipped."""
-    names = sorted(m.decode() for m in r.smembers(keys.workers))
-    raws = r.mget([keys.status(n) for n in names]) if names else []
-    queues = set()
-    for raw in raws:
-        if raw is None:
-            continue
-        try:
-            status = WorkerStatus.from_json(raw)
-        except RecordError:
-            continue
-        if status.state != WorkerState.DOWN:
-            queues.add(status.queue)
+    """The queues of the run's live workers (`batchfleet.fleetview`) whose server is not down, ordered
+    by host then GPU index."""
+    queues = {w.queue for w in read_fleet_view(r, keys).live if w.state != WorkerState.DOWN}
     return sorted(queues, key=lambda q: (queue_host(q), gpu_index_for_queue(q) or 0, q))
 
 

@@ -16,6 +16,7 @@ import orjson
 import redis
 
 from batchfleet.errors import RecordError
+from batchfleet.fleetview import read_fleet_view
 from batchfleet.keys import Keys
 from batchfleet.marker import read_marker
 
@@ -62,7 +63,7 @@ def list_runs(r: redis.Redis) -> list[dict[str, Any]]:
             row.update(host=marker.host, store=marker.path, created=marker.created)
         succeeded, failed = r.hmget(keys.stats, "succeeded", "failed")
         row.update(succeeded=_int(succeeded), failed=_int(failed))
-        row["workers"] = sum(1 for w in r.smembers(keys.workers) if r.exists(keys.status(w.decode(errors="replace"))))
+        row["workers"] = len(read_fleet_view(r, keys).live)
         if marker is not None and marker.host == HOST and Path(marker.path).exists():
             try:
                 store = Store.open(Path(marker.path), run=run, readonly=True)

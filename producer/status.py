@@ -14,24 +14,16 @@ import redis
 
 from batchfleet.config import Config
 from batchfleet.connection import redacted
+from batchfleet.fleetview import SILENT_AFTER_S, FleetView, read_fleet_view
 from batchfleet.keys import Keys, valid_queue_name
 from batchfleet.marker import repair_command
 
-from .feed import FleetView, read_fleet_view
 from .locate import Located
 from .recover import audit
 from .runs import input_dict, input_text
 from .store import Store
 
-__all__ = ["eta_text", "format_status", "gather_progress", "gather_status"]
-
-
-def _num(v: bytes) -> int | float:
-    try:
-        f = float(v)
-    except ValueError:
-        return 0
-    return int(f) if f.is_integer() else f
+__all__ = ["format_status", "gather_progress", "gather_status"]
 
 
 def gather_status(config: Config, r: redis.Redis, loc: Located) -> dict[str, Any]:
@@ -61,15 +53,15 @@ def gather_status(config: Config, r: redis.Redis, loc: Located) -> dict[str, Any
         totals.update({k: None for k in ("queued", "in_flight", "done_not_collected", "failed_foreign", "lost")})
         totals["in_redis"] = counts["fed"]
         out.update(totals=totals, queues={}, foreign_failures=[], workers=None, fleet_tokens_per_s=None,
-                   mean_completion_tokens=None, prompts_per_s=None, eta_s=None, eta="unknown")
+                   mean_completion_tokens=None, prompts_per_s=None, eta_s=None, eta="unknown", eta_lower_bound=False)
         return out
 
     a = audit(r, store, keys)
     totals.update(queued=a.counts["queued"], in_flight=a.counts["in_flight"], done_not_collected=a.counts["done"],
                   failed_foreign=a.counts["failed_foreign"], lost=a.counts["lost"], in_redis=counts["fed"])
     foreign = a.foreign_by_worker(r)
-    stats = {k.decode(errors="replace"): _num(v) for k, v in r.hgetall(keys.stats).items()}
     view = read_fleet_view(r, keys)
+    stats = view.stats
     queues = list(loc.marker.queues if loc.marker else ())
     for name in stats:  # queues this run used
         kind, _, q = name.partition(":")
@@ -95,47 +87,39 @@ def gather_status(config: Config, r: redis.Redis, loc: Located) -> dict[str, Any
         totals=totals, foreign_failures=foreign,
         repair=repair if (loc.lost or a.counts["lost"] or foreign) else None,
         workers=_workers(view),
-        **_rate(stats, view.tokens_per_s, counts["pending"]),
+        **_rate(view, counts["pending"]),
     )
     return out
 
 
 def _workers(view: FleetView) -> dict[str, Any]:
-    return {"fresh": view.fresh, "known": view.known,
+    return {"live": len(view.live), "known": view.known, "silent": len(view.silent), "unreadable": view.unreadable,
             "not_serving": [{"worker": w, "queue": q, "state": st, "message": m} for w, q, st, m in view.not_serving]}
 
 
-def _rate(stats: dict[str, int | float], tokens_per_s: float, pending: int) -> dict[str, Any]:
-    succeeded = stats.get("succeeded", 0)
-    mean_ct = stats.get("completion_tokens", 0) / succeeded if succeeded else None
-    rate = tokens_per_s / mean_ct if mean_ct and tokens_per_s > 0 else None
-    eta_s = pending / rate if rate else (0.0 if pending == 0 else None)
-    return {"fleet_tokens_per_s": round(tokens_per_s, 1),
+def _rate(view: FleetView, pending: int) -> dict[str, Any]:
+    """The fleet's figures (`batchfleet.fleetview`), the ETA of the store's `pending` prompts."""
+    mean_ct, rate, eta = view.mean_completion_tokens, view.prompts_per_s, view.eta(pending)
+    return {"fleet_tokens_per_s": round(view.tokens_per_s, 1),
             "mean_completion_tokens": None if mean_ct is None else round(mean_ct, 1),
             "prompts_per_s": None if rate is None else round(rate, 2),
-            "eta_s": None if eta_s is None else round(eta_s), "eta": eta_text(eta_s)}
+            "eta_s": None if eta.seconds is None else round(eta.seconds), "eta": eta.text,
+            "eta_lower_bound": eta.lower_bound}
 
 
 def gather_progress(r: redis.Redis, keys: Keys, store: Store) -> dict[str, Any]:
     """The figures of a progress line, from the same sources as `gather_status` (the store's counts,
     the run's counters, the workers' status records) without its audit of every fed prompt: keys
-    `prompts`, `done`, `succeeded`, `failed`, `pending`, `fleet_tokens_per_s`, `prompts_per_s`,
-    `eta_s`, `eta`, `workers` ({fresh, known})."""
+    `prompts`, `done`, `succeeded`, `failed`, `pending`, `completion_tokens` (the run's counter),
+    `fleet_tokens_per_s`, `prompts_per_s`, `eta_s`, `eta`, `eta_lower_bound`, `workers` ({live, known,
+    silent, unreadable, not_serving})."""
     with store.read():
         counts = store.counts()
-    stats = {k.decode(errors="replace"): _num(v) for k, v in r.hgetall(keys.stats).items()}
     view = read_fleet_view(r, keys)
     return {"prompts": counts["prompts"], "done": counts["succeeded"] + counts["failed"],
             "succeeded": counts["succeeded"], "failed": counts["failed"], "pending": counts["pending"],
-            "workers": _workers(view),
-            **_rate(stats, view.tokens_per_s, counts["pending"])}
-
-
-def eta_text(eta_s: float | None) -> str:
-    if eta_s is None:
-        return "unknown"
-    s = round(eta_s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+            "completion_tokens": max(0, int(view.stats.get("completion_tokens", 0))),
+            "workers": _workers(view), **_rate(view, counts["pending"])}
 
 
 def format_status(st: dict[str, Any], *, as_json: bool) -> str:
@@ -180,11 +164,18 @@ def format_status(st: dict[str, Any], *, as_json: bool) -> str:
         w = st["workers"]
         if t["pending"] == 0:
             speed = "nothing pending"
-        elif st["prompts_per_s"] is None:
-            speed = "no throughput measured yet (no worker has finished a prompt in its last window); ETA unknown"
+        elif st["eta_s"] is None:
+            speed = "no throughput measured yet (no live worker is generating); ETA unknown"
         else:
-            speed = f"{st['fleet_tokens_per_s']:,} tokens/s, {st['prompts_per_s']:,} prompts/s; ETA {st['eta']}"
-        lines.append(f"workers {w['fresh']} fresh of {w['known']}; {speed}")
+            per_prompt = f", {st['prompts_per_s']:,} prompts/s" if st["prompts_per_s"] is not None else ""
+            speed = f"fleet {st['fleet_tokens_per_s']:,} tok/s{per_prompt}; ETA {st['eta']}"
+        lines.append(f"workers {w['live']} live of {w['known']}; {speed}")
+        if w["silent"]:
+            lines.append(f"  {w['silent']} worker(s) silent: their status record was not rewritten for "
+                         f"{SILENT_AFTER_S:g} s (gone or stuck)")
+        if w["unreadable"]:
+            lines.append(f"  {w['unreadable']} status record(s) this version cannot read (a newer worker?): skipped, "
+                         "see the warning")
         for d in w.get("not_serving", []):
             if d["state"] == "down":
                 why = (d["message"] or "?").rstrip().replace("\n", "\n    ")

@@ -8,6 +8,7 @@ Classes, checked in this order (the first that fits wins):
 | restarting | starting, draining for a new spec, or restarting | wait |
 | silent | the worker's status record stopped changing: it is gone or stuck | its host |
 | hung | in flight but no token and no finished prompt over the whole window | the worker's health check |
+| idle | the run has ended (its marker says so): nothing left to serve | nothing |
 | draining | no backlog left in Redis, or too little to fill the fleet's free slots | nothing |
 | client-bound | the worker offers its server fewer requests than it can run | ours: worker cap, dispatch, Redis |
 | kv-bound | retractions, full-KV usage high, or a queue in the server with KV near full | fewer slots |
@@ -42,8 +43,7 @@ from batchfleet.records import CAP_MAMBA, ServerFacts, WorkerState, WorkerStatus
 
 from .fleet import FleetSnapshot
 
-__all__ = ["CLASSES", "Cls", "Point", "ServerView", "Thresholds", "WindowReport", "classify_window",
-           "server_tokens_per_s"]
+__all__ = ["CLASSES", "Cls", "Point", "ServerView", "Thresholds", "WindowReport", "classify_window"]
 
 
 class Cls(StrEnum):
@@ -52,13 +52,14 @@ class Cls(StrEnum):
     SILENT = "silent"
     HUNG = "hung"
     DRAINING = "draining"
+    IDLE = "idle"
     CLIENT_BOUND = "client-bound"
     KV_BOUND = "kv-bound"
     MAMBA_BOUND = "mamba-bound"
     SATURATED = "saturated-healthy"
 
 
-DOWN, RESTARTING, SILENT, HUNG, DRAINING = Cls.DOWN, Cls.RESTARTING, Cls.SILENT, Cls.HUNG, Cls.DRAINING
+DOWN, RESTARTING, SILENT, HUNG, DRAINING, IDLE = Cls.DOWN, Cls.RESTARTING, Cls.SILENT, Cls.HUNG, Cls.DRAINING, Cls.IDLE
 KV_BOUND, CLIENT_BOUND, MAMBA_BOUND, SATURATED = Cls.KV_BOUND, Cls.CLIENT_BOUND, Cls.MAMBA_BOUND, Cls.SATURATED
 CLASSES = tuple(Cls)
 STEADY = (MAMBA_BOUND, SATURATED, KV_BOUND)  # offered their capacity with a backlog: comparable
@@ -166,7 +167,7 @@ class WindowReport:
     backlog: int  # prompts waiting in Redis at the end of the window
     eta_s: float | None
     hosts: dict[str, list[str]] = field(default_factory=dict)  # host -> why it stands out (as a host)
-    eta_lower: bool = False  # eta_s is only a lower bound (no prompt had finished): see FleetSnapshot.eta_s
+    eta_lower: bool = False  # eta_s is only a lower bound (no prompt had succeeded): see FleetView.eta
 
     @property
     def serving(self) -> list[ServerView]:
@@ -196,13 +197,6 @@ class WindowReport:
 
     def by_queue(self, queue: str) -> ServerView | None:
         return next((s for s in self.servers if s.queue == queue), None)
-
-
-def server_tokens_per_s(w: WorkerStatus) -> float:
-    """One record's tokens/s: the server's own gen_throughput when it reports one (same clock for
-    every server), else what the worker measured from the server's counter."""
-    g = w.metrics.gen_throughput
-    return float(g) if g is not None else w.tokens_per_s
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -246,7 +240,7 @@ def _aggregate(serving: list[WorkerStatus]) -> _Agg:
         retracted=(retracted[-1] - retracted[0]) if retracted else 0.0, surplus=last.surplus)
 
 
-def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, silent: bool,
+def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, silent: bool, ended: bool,
                   th: Thresholds) -> tuple[Cls, list[str], str]:
     """(class, reasons, evidence); evidence is "static"/"gauges" for mamba-bound, "filling" for a
     client-bound server whose worker is still filling its slots, else ""."""
@@ -265,7 +259,8 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, si
     if len(serving) >= 2 and all(s.in_flight > 0 for s in serving) and not progressed:
         return HUNG, [f"{last.in_flight} in flight, no token and no finished prompt over the window"], ""
     if backlog == 0:
-        return DRAINING, ["no backlog left in Redis"], ""
+        return (IDLE, ["the run has ended: nothing left to serve"], "") if ended else (
+            DRAINING, ["no backlog left in Redis"], "")
     a = _aggregate(serving)
     if 2 * len(serving) < len(samples) and a.offered < a.cap - th.tolerance(a.cap):
         # It began serving (again) late in this window: its worker is still taking work, not slow.
@@ -370,7 +365,7 @@ def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = 
     views = []
     for w in last.workers:
         samples = series[w.worker]
-        cls, reasons, evidence = _classify_one(samples, backlog, short_of, w.worker in last.silent, th)
+        cls, reasons, evidence = _classify_one(samples, backlog, short_of, w.worker in last.silent, last.finished, th)
         serving = [s for s in samples if s.state == WorkerState.SERVING] or samples
         retracted = [s.metrics.retracted for s in serving if s.metrics.retracted is not None]
         points = []
@@ -399,5 +394,6 @@ def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = 
             points=tuple(points)))
     gpu_flags, host_flags = _flag(views, th)
     views = [replace(v, outliers=gpu_flags.get(v.worker, [])) for v in views]
-    return WindowReport(start=snapshots[0].ts, end=last.ts, servers=views, backlog=backlog, eta_s=last.eta_s(),
-                        hosts=host_flags, eta_lower=last.eta_is_lower_bound)
+    eta = last.eta()
+    return WindowReport(start=snapshots[0].ts, end=last.ts, servers=views, backlog=backlog, eta_s=eta.seconds,
+                        hosts=host_flags, eta_lower=eta.lower_bound)

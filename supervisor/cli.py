@@ -31,7 +31,7 @@ from batchfleet.redact import Scrubber
 
 from .autopilot import Settings, State
 from .classify import WindowReport, classify_window
-from .fleet import FleetSnapshot, Freshness, read_fleet
+from .fleet import FleetSnapshot, read_fleet
 from .ladder import LadderConfig
 from .view import phase_line, render
 
@@ -146,12 +146,11 @@ def _status(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -
 def _view(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -> int:
     """Read-only live view: classifies the last few snapshots itself, writes nothing."""
     recent: deque[FleetSnapshot] = deque(maxlen=5)
-    freshness = Freshness()
     console = Console()
 
     def frame() -> object:
         try:
-            recent.append(read_fleet(r, k, queue_pattern=config.queue_pattern, freshness=freshness))
+            recent.append(read_fleet(r, k, queue_pattern=config.queue_pattern))
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             from rich.text import Text
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from .autopilot import Phase, State
-from .classify import CLASSES, WindowReport, server_tokens_per_s
+from .classify import CLASSES, WindowReport
 from .fleet import FleetSnapshot
 
 __all__ = ["FleetMetrics"]
@@ -15,19 +15,26 @@ PREFIX = "batchfleet_"
 
 
 class FleetMetrics:
+    """Names follow Prometheus's conventions (`promtool check metrics`): base units spelled out
+    (`_seconds`, `_per_second`), ratios as `_ratio`, counters as `_total`. The fleet's figures are
+    `batchfleet.fleetview`'s, the same as `producer status` and `supervisor watch` show."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         g = lambda name, doc, labels=(): Gauge(PREFIX + name, doc, labels, registry=self.registry)  # noqa: E731
-        self.fleet_tps = g("fleet_tokens_per_s", "Fleet generation tokens/s as the servers report it")
-        self.fleet_wall_tps = g("fleet_wall_tokens_per_s", "Fleet tokens/s measured by the workers (wall clock)")
+        self.fleet_tps = g("fleet_tokens_per_second",
+                           "Completion tokens per wall-clock second of the live serving workers")
+        self.live = g("fleet_live_workers", "Workers whose status record is live (the newest of each queue)")
         self.backlog = g("backlog_prompts", "Prompts waiting in Redis", ("queue",))
-        self.eta = g("eta_seconds", "Estimated seconds until the backlog is done (-1: unknown)")
-        self.in_flight = g("gpu_in_flight", "Prompts in flight", ("worker", "gpu"))
-        self.capacity = g("gpu_effective_max", "The server's effective max running requests", ("worker", "gpu"))
-        self.gpu_tps = g("gpu_tokens_per_s", "Server-reported generation tokens/s", ("worker", "gpu"))
-        self.kv = g("gpu_full_kv_usage", "Full-attention KV pool usage", ("worker", "gpu"))
-        self.mamba = g("gpu_mamba_usage", "Mamba state slot usage", ("worker", "gpu"))
-        self.generation = g("gpu_generation", "Control generation the server runs", ("worker", "gpu"))
+        self.eta = g("eta_seconds", "Estimated seconds until every pending prompt is done (-1: unknown)")
+        self.in_flight = g("gpu_in_flight_prompts", "Prompts in flight", ("worker", "gpu"))
+        self.capacity = g("gpu_max_running_requests", "The server's effective max running requests",
+                          ("worker", "gpu"))
+        self.gpu_tps = g("gpu_tokens_per_second", "Completion tokens per wall-clock second the worker measures",
+                         ("worker", "gpu"))
+        self.kv = g("gpu_full_kv_usage_ratio", "Full-attention KV pool usage", ("worker", "gpu"))
+        self.mamba = g("gpu_mamba_usage_ratio", "Mamba state slot usage", ("worker", "gpu"))
+        self.generation = g("gpu_control_generation", "Control generation the server runs", ("worker", "gpu"))
         self.cls = g("gpu_class", "1 for the server's class in the last window", ("worker", "gpu", "cls"))
         self.phase = g("autopilot_phase", "1 for the autopilot's phase", ("phase",))
         self.events = Counter(PREFIX + "events", "Supervisor and restart events seen, by kind", ("kind",),
@@ -38,17 +45,17 @@ class FleetMetrics:
         start_http_server(port, addr=addr, registry=self.registry)
 
     def update(self, snap: FleetSnapshot, report: WindowReport | None, state: State) -> None:
-        self.fleet_tps.set(sum(server_tokens_per_s(w) for w in snap.workers if w.state == "serving"))
-        self.fleet_wall_tps.set(snap.tokens_per_s)
+        self.fleet_tps.set(snap.tokens_per_s)
+        self.live.set(len(snap.live))
         for q, n in snap.backlog.items():
             self.backlog.labels(q).set(n)
-        eta = snap.eta_s()
+        eta = snap.eta().seconds
         self.eta.set(-1 if eta is None else eta)
         for w in snap.workers:
             lab = (w.worker, str(w.gpu))
             self.in_flight.labels(*lab).set(w.in_flight)
             self.capacity.labels(*lab).set(w.effective_max)
-            self.gpu_tps.labels(*lab).set(server_tokens_per_s(w))
+            self.gpu_tps.labels(*lab).set(snap.tokens_per_s_of(w))
             self.kv.labels(*lab).set(w.metrics.full_kv_usage or 0)
             self.mamba.labels(*lab).set(w.metrics.mamba_usage or 0)
             self.generation.labels(*lab).set(w.generation)

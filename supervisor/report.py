@@ -78,8 +78,8 @@ def plot(samples: list[dict[str, Any]], events: list[Event], out: Path, *, title
     t0 = samples[0]["ts"]
     ts = [s["ts"] - t0 for s in samples]
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 7))
-    top.plot(ts, [s["tokens_per_s"] for s in samples], color="black", lw=1.2, label="fleet (server-reported)")
-    top.set_ylabel("fleet tokens/s")
+    top.plot(ts, [s["tokens_per_s"] for s in samples], color="black", lw=1.2, label="fleet")
+    top.set_ylabel("fleet tokens/s (completion, wall clock)")
     top.set_title(title)
     hosts = {g.get("host") for s in samples for g in s["gpus"].values()}
     labels = {w: (f"{g.get('host')}/" if len(hosts) > 1 else "") + (f"gpu{g['gpu']}" if g.get("gpu") is not None else w)

@@ -22,8 +22,8 @@ from batchfleet.keys import Keys
 from batchfleet.records import Event, RecordError, ServerSpec
 
 from .autopilot import Action, Autopilot, Control, DropFields, Emit, SetFleet, SetOverride, Settings, State
-from .classify import Thresholds, WindowReport, classify_window, server_tokens_per_s
-from .fleet import FleetSnapshot, Freshness, read_events, read_fleet, skip_record
+from .classify import Thresholds, WindowReport, classify_window
+from .fleet import FleetSnapshot, read_events, read_fleet, skip_record
 from .ladder import LadderConfig, current_spec
 from .prom import FleetMetrics
 
@@ -84,11 +84,10 @@ def apply(r: redis.Redis, k: Keys, actions: Sequence[Action], *, say: Callable[[
 
 
 def history_sample(snap: FleetSnapshot, classes: dict[str, str]) -> bytes:
-    """One point of the report's time series (server-reported tokens/s, and the worker's wall-clock figure)."""
-    fleet = sum(server_tokens_per_s(w) for w in snap.workers if w.state == "serving")
+    """One point of the report's time series: the fleet's tokens/s (`FleetView.tokens_per_s`), backlog,
+    and each GPU's."""
     return orjson.dumps({
-        "ts": snap.ts, "tokens_per_s": round(fleet, 1),
-        "wall_tokens_per_s": round(snap.tokens_per_s, 1), "backlog": snap.total_backlog,
+        "ts": snap.ts, "tokens_per_s": round(snap.tokens_per_s, 1), "backlog": snap.total_backlog,
         "done": snap.stats.get("succeeded", 0),
         "gpus": {w.worker: {"gpu": w.gpu, "host": w.host, "queue": w.queue, "in_flight": w.in_flight,
                             "effective_max": w.effective_max, "state": w.state, "strategy": w.strategy,
@@ -156,13 +155,12 @@ def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: Ladder
         f"act after {settings.static_windows} window(s) on start-up facts or {settings.windows} on gauges; "
         f"phase {pilot.state.phase}; back-offs: {', '.join(pilot.state.tried) or 'none'}")
     after_id = last_event[0][0] if last_event else b"0-0"
-    freshness = Freshness()
     window: list[FleetSnapshot] = []
     started = time.monotonic()
     report: WindowReport | None = None
     while not should_stop():
         try:
-            snap = read_fleet(r, k, queue_pattern=queue_pattern, events=20, freshness=freshness)
+            snap = read_fleet(r, k, queue_pattern=queue_pattern, events=20)
             if watch.ok():
                 _restore(r, k, pilot.state, say)
             window.append(snap)

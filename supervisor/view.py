@@ -26,20 +26,13 @@ __all__ = ["phase_line", "render"]
 
 PROBLEM = {Cls.CLIENT_BOUND, Cls.HUNG, Cls.DOWN, Cls.KV_BOUND, Cls.SILENT}
 STYLE = {Cls.MAMBA_BOUND: "yellow", Cls.CLIENT_BOUND: "magenta", Cls.KV_BOUND: "cyan", Cls.DOWN: "red",
-         Cls.HUNG: "red", Cls.SILENT: "red", Cls.SATURATED: "green", Cls.DRAINING: "dim",
+         Cls.HUNG: "red", Cls.SILENT: "red", Cls.SATURATED: "green", Cls.DRAINING: "dim", Cls.IDLE: "dim",
          Cls.RESTARTING: "blue"}
 GAP = 2
 
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
-
-
-def _eta(s: float | None) -> str:
-    if s is None:
-        return "unknown"
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def _queues(backlog: dict[str, int]) -> str:
@@ -145,16 +138,23 @@ def render(snap: FleetSnapshot, *, classes: dict[str, str] | None = None, report
         if said:
             parts.append(Text(f"{v.label} " + "; ".join(said), style=STYLE.get(v.cls, "")))
     s = snap.stats
-    parts.append(Text(
-        f"fleet {sum(v.tokens_per_s for v in report.serving) if report else snap.tokens_per_s:,.0f} tok/s | "
-        f"in flight {snap.in_flight} | backlog {snap.total_backlog} ({_queues(snap.backlog) or 'no queues'}) | "
-        f"done {s.get('succeeded', 0)} | failed {s.get('failed', 0)} | ETA {_eta(snap.eta_s())}"))
+    done = f"done {s.get('succeeded', 0):,} | failed {s.get('failed', 0):,}"
+    if snap.finished:
+        how = "was cancelled" if snap.cancelled else "has finished"
+        parts.append(Text(f"the run {how}: {done}", style="bold"))
+    else:
+        parts.append(Text(
+            f"fleet {snap.tokens_per_s:,.0f} tok/s | in flight {snap.in_flight} | backlog {snap.total_backlog} "
+            f"({_queues(snap.backlog) or 'no queues'}) | {done} | ETA {snap.eta().text}"))
     if phase:
         parts.append(Text(phase, style="bold"))
     for e in snap.events[-6:]:
         parts.append(Text(f"{time.strftime('%H:%M:%S', time.localtime(e.ts))} {e.kind}: {e.message}", style="dim"))
-    if not snap.workers:
-        parts.append(Text("no workers have reported yet", style="yellow"))
+    if snap.unreadable:
+        parts.append(Text(f"{snap.unreadable} status record(s) this version cannot read (a newer worker?): skipped, "
+                          "see the warning", style="yellow"))
+    if not snap.workers and not snap.finished:
+        parts.append(Text("no live workers: none has reported yet, or their records expired", style="yellow"))
     return Group(*parts)
 
 

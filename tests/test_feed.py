@@ -1,17 +1,16 @@
-"""The window and the feed on their own: sizing, the drain meter, validated fleet records, dealing."""
+"""The window and the feed on their own: sizing, the drain meter, dealing (the fleet records they size on:
+test_fleetview.py)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import orjson
 import redis
 
 from batchfleet.config import Config
-from batchfleet.keys import STATUS_TTL_S, Keys
-from batchfleet.records import WorkerStatus
-from producer.feed import DrainMeter, Feeder, read_fleet_view, window_target
+from batchfleet.keys import Keys
+from producer.feed import DrainMeter, Feeder, window_target
 from producer.store import Store
 
 
@@ -33,23 +32,6 @@ def test_drain_meter_measures_per_queue_and_restarts_when_counters_go_back() -> 
     assert m.rate("gpu0") == 0.0
     m.update({"succeeded:gpu0": 13}, now=13.0)
     assert m.rate("gpu0") == 5.0
-
-
-def test_fleet_view_reads_only_sound_fresh_records(r: redis.Redis) -> None:
-    k = Keys("t")
-    # Fresh = the record exists (Redis expires it); "skewed" wrote with a clock an hour behind and counts,
-    # "gone" stopped writing and its record expired.
-    for name, queue, cap, skew in (("a", "gpu0", 37, 0), ("b", "gpu0", 5, 1), ("c", "gpu1", 9999, 0),
-                                   ("skewed", "gpu2", 50, -3600), ("evil", "../x", 10, 0)):
-        ws = WorkerStatus(worker=name, host="h", queue=queue, gpu=0, state="serving", effective_max=cap,
-                          ts=time.time() + skew)
-        r.set(k.status(name), ws.to_json(), ex=STATUS_TTL_S)
-        r.sadd(k.workers, name)
-    r.sadd(k.workers, "gone")
-    r.set(k.status("junk"), b"{not json")
-    r.sadd(k.workers, "junk")
-    view = read_fleet_view(r, k)
-    assert view.capacity == {"gpu0": 42, "gpu1": 4096, "gpu2": 50} and view.fresh == 4 and view.known == 7
 
 
 def test_feed_deals_longest_first_over_the_short_queues(r: redis.Redis, tmp_path: Path) -> None:

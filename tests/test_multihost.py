@@ -231,10 +231,10 @@ def test_a_host_whose_clock_is_five_minutes_behind(lan):
     lan.start_collector()
     rows = write_prompts(lan.tmp / "head" / "prompts.jsonl", 120, max_tokens=200)
     lan.producer("enqueue", "prompts.jsonl", "--queues", "live")
-    # The head counts hostb's worker as alive: its record is fresh by Redis's TTL, whatever its `ts`.
+    # The head counts hostb's worker as alive: its record is live by Redis's clock (its TTL), whatever its `ts`.
     lan.wait_for(lambda: lan.finished() >= 10, 60, "the run under way")
     st = orjson.loads(lan.producer("status", "--json").stdout)
-    assert st["workers"] == {"fresh": 2, "known": 2, "not_serving": []}
+    assert st["workers"] == {"live": 2, "known": 2, "silent": 0, "unreadable": 0, "not_serving": []}
     lan.wait_for(lambda: lan.finished() >= 120, 180, "the run")
     for h in (a, b):
         assert set(h.stop_all().values()) == {0}

@@ -131,8 +131,8 @@ def test_status_tells_where_every_prompt_is(cli: Cli, r: redis.Redis, redis_url:
     r.zadd(Keys.failed("gpu0"), {foreign: time.time() + FAILURE_TTL_S})
     # Records as workers write them (expiring). w1's host clock is an hour behind: still fresh, since
     # freshness is the record's Redis TTL, not its writer's clock. "gone" stopped writing: no record.
-    for name, tps, skew in (("w0", 30.0, 0), ("w1", 20.0, -3600)):
-        ws = WorkerStatus(worker=name, host="h", queue="gpu0", gpu=0, state="serving", tokens_per_s=tps,
+    for name, queue, tps, skew in (("w0", "gpu0", 30.0, 0), ("w1", "gpu1", 20.0, -3600)):
+        ws = WorkerStatus(worker=name, host="h", queue=queue, gpu=0, state="serving", tokens_per_s=tps,
                           effective_max=4, ts=time.time() + skew)
         r.set(keys.status(name), ws.to_json(), ex=STATUS_TTL_S)
     r.sadd(keys.workers, "w0", "w1", "gone")
@@ -150,8 +150,8 @@ def test_status_tells_where_every_prompt_is(cli: Cli, r: redis.Redis, redis_url:
     assert st["foreign_failures"] == [{"queue": "gpu0", "worker": "stock-1", "count": 1}]
     assert st["repair"] == f"producer --run {RUN} --state-dir {tmp_path / 'state'} recover"
     assert list(st["queues"]) == ["gpu0", "gpu1"]
-    assert st["queues"]["gpu0"]["failed_registry"] == 2 and st["queues"]["gpu0"]["workers_capacity"] == 8
-    assert st["workers"] == {"fresh": 2, "known": 3, "not_serving": []}
+    assert st["queues"]["gpu0"]["failed_registry"] == 2 and st["queues"]["gpu0"]["workers_capacity"] == 4
+    assert st["workers"] == {"live": 2, "known": 3, "silent": 0, "unreadable": 0, "not_serving": []}
     assert st["fleet_tokens_per_s"] == 50.0 and st["mean_completion_tokens"] == 100.0
     assert st["prompts_per_s"] == 0.5 and st["eta_s"] == 22 and st["eta"] == "0m22s"
     assert (r.xlen(keys.results), r.scard(keys.done)) == before  # status collects nothing

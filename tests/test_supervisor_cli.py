@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import time
 
 import orjson
@@ -27,7 +29,7 @@ def fleet(r, redis_url, monkeypatch):
     monkeypatch.setenv("BATCHFLEET_RUN", "t")
     for g in range(2):
         w = WorkerStatus(worker=f"w{g}", host="h", queue=f"gpu{g}", gpu=g, state="serving", effective_max=37,
-                         in_flight=37, server_flags=["--enable-metrics"],
+                         in_flight=37, server_flags=["--enable-metrics"], tokens_per_s=560,
                          metrics=ServerMetrics(running=37, full_kv_usage=0.05, mamba_usage=0.69, gen_throughput=560))
         r.set(K.status(w.worker), w.to_json())
         r.sadd(K.workers, w.worker)
@@ -72,9 +74,30 @@ def test_prometheus_exposes_fleet_and_per_gpu_metrics(fleet):
     m = FleetMetrics()
     m.update(read_fleet(fleet, K), None, State(phase="canary"))
     text = generate_latest(m.registry).decode()
-    assert "batchfleet_fleet_tokens_per_s 1120.0" in text
-    assert 'batchfleet_gpu_effective_max{gpu="0",worker="w0"} 37.0' in text
+    assert "batchfleet_fleet_tokens_per_second 1120.0" in text and "batchfleet_fleet_live_workers 2.0" in text
+    assert 'batchfleet_gpu_max_running_requests{gpu="0",worker="w0"} 37.0' in text
+    assert 'batchfleet_gpu_tokens_per_second{gpu="1",worker="w1"} 560.0' in text
     assert 'batchfleet_autopilot_phase{phase="canary"} 1.0' in text
+
+
+def test_batchfleet_metric_names_pass_promtool(fleet, tmp_path):
+    """Prometheus's own linter on everything `supervisor watch --metrics-port` serves (base units spelled
+    out: `_seconds`, `_per_second`; `_total` counters). `promtool` comes with Prometheus (Debian:
+    `apt-get install prometheus`)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus): the names are not linted")
+    from supervisor.classify import classify_window
+
+    m = FleetMetrics()
+    snap = read_fleet(fleet, K)
+    fleet.xadd(K.events, {"e": Event("decision", "why").to_json()})
+    m.update(read_fleet(fleet, K), classify_window([snap]), State(phase="canary"))  # every metric has a sample
+    text = generate_latest(m.registry).decode()
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    assert len(names) >= 14 and all(n.startswith("batchfleet_") for n in names)
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert (lint.returncode, lint.stdout + lint.stderr) == (0, "")
 
 
 def test_report_plots_history_and_summarizes(fleet, tmp_path, capsys):

@@ -5,7 +5,8 @@
     2. The file into the run's store (`producer enqueue`'s code: idempotent by custom_id).
     3. One `rq worker <run>.gpuN` per GPU (RQ_WORKER_CLASS=worker.GPUWorker), `producer head`,
        `supervisor watch` (`--dry-run`: it only advises); their output goes to <state dir>/logs/.
-    4. One progress line (bar, done/total, ETA, fleet tok/s) and one line per supervisor or worker event.
+    4. One progress line (bar, done/total, ETA, tok/s, live workers) and one line per supervisor or worker
+       event. tok/s, there and in the summary, is completion tokens per wall-clock second of this run.
     5. When no prompt is pending: stop the processes (SIGTERM: workers stop their servers), export.
 
 Ctrl-C (or SIGTERM) drains: workers hand back what they hold, the head stops, nothing is exported;
@@ -38,6 +39,7 @@ from batchfleet.cliopts import add_common, common_parent
 from batchfleet.config import Config
 from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
+from batchfleet.fleetview import duration_text
 from batchfleet.keys import Keys
 from batchfleet.records import Event
 from batchfleet.redact import private_dir, private_file
@@ -127,9 +129,41 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # --- output -----------------------------------------------------------------------------------------
+class Throughput:
+    """The run's one throughput figure, on its progress line and in its summary alike: completion tokens
+    per wall-clock second since this command started its workers (start-up included), from the run's
+    `completion_tokens` counter. Frozen when the last prompt is done."""
+
+    NAME = "tok/s"
+
+    def __init__(self, tokens: int) -> None:
+        self.start = self.end = time.monotonic()
+        self.tokens0 = self.tokens = tokens
+        self.frozen = False
+
+    def update(self, tokens: int) -> None:
+        if not self.frozen:
+            self.tokens, self.end = tokens, time.monotonic()
+
+    def freeze(self) -> None:
+        self.frozen = True
+
+    @property
+    def tokens_per_s(self) -> float:
+        span = self.end - self.start
+        return max(0, self.tokens - self.tokens0) / span if span > 0 else 0.0
+
+    def text(self) -> str:
+        return f"{self.tokens_per_s:,.0f} {self.NAME}"
+
+    def summary(self) -> str:
+        return f"{self.text()} over {duration_text(self.end - self.start)} (completion tokens per wall-clock second)"
+
+
 class Screen:
     """One progress line (a rich bar on a terminal, a plain line every few seconds otherwise) and
-    messages that print above it."""
+    messages that print above it. `finish` ends it: the bar goes, its last state stays as a plain line,
+    and every later message prints under it."""
 
     def __init__(self, stream: TextIO, every_s: float) -> None:
         self.stream = stream
@@ -137,14 +171,17 @@ class Screen:
         self.last = 0.0
         self.last_done = -1
         self.bar: Any = None
+        self.rate: Throughput | None = None  # from when the workers start
+        self.finished = False
 
     def _start_bar(self) -> None:
         """On a terminal, the bar starts with the first progress (enqueue's own bar is done by then)."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+        # transient: `finish` and `close` erase it, so no bar outlives the run under later lines
         self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[info]}"), console=Console(file=self.stream), transient=False)
+                            TextColumn("{task.fields[info]}"), console=Console(file=self.stream), transient=True)
         self.task = self.bar.add_task("run", total=None, info="")
         self.bar.start()
 
@@ -154,21 +191,42 @@ class Screen:
         else:
             print(text, file=self.stream, flush=True)
 
-    def progress(self, p: dict[str, Any], *, force: bool = False) -> None:
-        tps = f"{p['fleet_tokens_per_s']:,.0f} tok/s" if p["fleet_tokens_per_s"] else "no tok/s yet"
-        info = f"ETA {p['eta']}  {tps}  workers {p['workers']['live']}"
+    def _info(self, p: dict[str, Any]) -> str:
+        if self.rate is not None:
+            self.rate.update(p["completion_tokens"])
+        rate = f"  {self.rate.text()}" if self.rate is not None else ""
+        return f"ETA {p['eta']}{rate}  workers {p['workers']['live']}"
+
+    def _plain(self, p: dict[str, Any], info: str) -> None:
+        self.last, self.last_done = time.monotonic(), p["done"]
+        share = p["done"] / p["prompts"] if p["prompts"] else 1.0
+        filled = round(share * 20)
+        print(f"[{'#' * filled}{'.' * (20 - filled)}] {p['done']:,}/{p['prompts']:,} ({share:.0%})  {info}",
+              file=self.stream, flush=True)
+
+    def progress(self, p: dict[str, Any]) -> None:
+        if self.finished:
+            return
+        info = self._info(p)
         if self.bar is None and self.stream.isatty():
             self._start_bar()
         if self.bar is not None:
             self.bar.update(self.task, total=p["prompts"], completed=p["done"], info=info)
+        elif time.monotonic() - self.last >= self.every_s:
+            self._plain(p, info)
+
+    def finish(self, p: dict[str, Any]) -> None:
+        """The last progress: the bar is erased and its state printed once as a plain line that stays."""
+        if self.finished:
             return
-        now = time.monotonic()
-        if (force and p["done"] != self.last_done) or now - self.last >= self.every_s:
-            self.last, self.last_done = now, p["done"]
-            share = p["done"] / p["prompts"] if p["prompts"] else 1.0
-            filled = round(share * 20)
-            print(f"[{'#' * filled}{'.' * (20 - filled)}] {p['done']:,}/{p['prompts']:,} ({share:.0%})  {info}",
-                  file=self.stream, flush=True)
+        if p["pending"] == 0 and self.rate is not None:
+            self.rate.update(p["completion_tokens"])
+            self.rate.freeze()
+        info = self._info(p)
+        self.close()
+        if self.stream.isatty() or p["done"] != self.last_done:
+            self._plain(p, info)
+        self.finished = True
 
     def close(self) -> None:
         if self.bar is not None:
@@ -332,7 +390,8 @@ def _serve(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys
         except ExportError as exc:
             raise UsageError(str(exc)) from None
         screen.say(f"wrote {ex.written:,} lines to {ex.path} ({ex.succeeded:,} succeeded, {ex.failed:,} failed)"
-                   + (f"; failures in {args.errors}" if args.errors else ""))
+                   + (f"; failures in {args.errors}" if args.errors else "")
+                   + (f"; {screen.rate.summary()}" if screen.rate else ""))
         if ex.pending:
             screen.say(f"{ex.pending:,} prompts have no result yet: run the same command again")
             return EXIT_ATTENTION
@@ -346,7 +405,7 @@ def _work(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys:
     """Start the processes, show progress until nothing is pending (or Ctrl-C), stop them."""
     p = gather_progress(r, keys, store)
     if p["pending"] == 0:
-        screen.progress(p, force=True)
+        screen.finish(p)
         return EXIT_OK
     def on_signal(_sig: int, _frame: object) -> None:
         if stop[0]:
@@ -369,6 +428,7 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
     env = _env(config, config.redis_url, config.run)
     procs = Procs(logs)
     events = Events(r, keys)
+    screen.rate = Throughput(gather_progress(r, keys, store)["completion_tokens"])
     for g in gpus:
         procs.workers[g] = procs.start(f"worker-gpu{g}", [_exe("rq"), "worker", f"{config.run}.gpu{g}"], env)
     procs.others["head"] = procs.start("head", [_exe("producer"), "head", "--interval", "1"], env)
@@ -381,6 +441,7 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     said_down: set[tuple[str, str]] = set()
     code = EXIT_OK
+    p: dict[str, Any] | None = None
     try:
         while True:
             for e in events.new():
@@ -394,7 +455,6 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
                     screen.say(f"{d['queue']}: server DOWN: {why} (see {log})")
             screen.progress(p)
             if p["pending"] == 0:
-                screen.progress(p, force=True)
                 break
             if stop[0]:
                 code = EXIT_INTERRUPTED
@@ -416,6 +476,9 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
                 break
             time.sleep(1.0)
     finally:
+        if p is not None:
+            screen.finish(p)  # the bar goes before any later line; its last state stays as a plain line
+        screen.close()
         if code == EXIT_INTERRUPTED:
             screen.say("interrupted: draining (workers hand back what they hold; Ctrl-C again to kill at once)")
         codes = procs.stop(config.shutdown_grace_s + 30, force)
@@ -428,7 +491,7 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
         collect_once(r, store, keys)  # what finished while the workers drained: into the store now
         p = gather_progress(r, keys, store)
         screen.say(f"stopped: {p['done']:,} of {p['prompts']:,} prompts done, {p['pending']:,} pending (kept in "
-                   f"{store.path}); run the same command again to resume")
+                   f"{store.path}); {screen.rate.summary()}; run the same command again to resume")
     return code
 
 

@@ -68,7 +68,7 @@ def main() -> int:
     if code not in (0, 1) or not out.exists():  # 1: the sample's deliberately bad lines were rejected
         console.print(f"[red]batchfleet run exited {code}; logs in {workdir / 'logs'}")
         return code or 1
-    summary(out, workdir, run, elapsed, args.time_scale)
+    summary(out, workdir, run, elapsed)
     shared = os.environ.get("BATCHFLEET_REDIS_URL") or os.environ.get("REDIS_URL")
     if shared and answers(shared):
         # A shared Redis keeps nothing of the demo: its processes are stopped; the store and the export
@@ -99,7 +99,7 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def summary(out: Path, workdir: Path, run: str, elapsed: float, time_scale: float) -> None:
+def summary(out: Path, workdir: Path, run: str, elapsed: float) -> None:
     ok = failed = tokens = 0
     reasons: list[str] = []
     with out.open("rb") as f:
@@ -117,9 +117,9 @@ def summary(out: Path, workdir: Path, run: str, elapsed: float, time_scale: floa
     rejects = sum(1 for _ in rejects_path.open()) if rejects_path.exists() else 0
     console.rule("summary")
     console.print(f"prompts exported : {ok + failed} ({ok} succeeded, {failed} failed), {rejects} input lines rejected")
-    console.print(f"wall time        : {elapsed:.1f} s  ({tokens:,} completion tokens)")
-    console.print(f"tokens/s         : {tokens / elapsed:,.0f} wall-clock, start-up included; "
-                  f"{tokens / (elapsed * time_scale):,.0f} in simulated GPU time (x{time_scale:g})")
+    # One throughput figure, batchfleet run's own (its `wrote` line: tok/s of the run): none recomputed here.
+    console.print(f"wall time        : {elapsed:.1f} s, enqueue to export ({tokens:,} completion tokens; "
+                  "tok/s: the `wrote` line above)")
     for reason in reasons[:5]:
         console.print(f"failed           : {reason}")
     console.print(f"results          : {out}")

@@ -199,12 +199,13 @@ def read_fleet_view(r: redis.Redis, keys: Keys, *, queue_pattern: str | None = N
     whose name matches it (the supervisor's view of the queues)."""
     pipe = r.pipeline(transaction=False)
     pipe.smembers(keys.workers)
-    pipe.smembers(RQ_QUEUES)
-    raw_names, raw_queues = pipe.execute()
+    if queue_pattern is not None:
+        pipe.smembers(RQ_QUEUES)
+    raw_names, *raw_queues = pipe.execute()
     names = sorted(n.decode(errors="replace") for n in raw_names)
     queues: list[str] = []
     if queue_pattern is not None:
-        for m in sorted(q.decode(errors="replace") for q in raw_queues):
+        for m in sorted(q.decode(errors="replace") for q in raw_queues[0]):
             q = m[len(RQ_QUEUE_PREFIX):]
             if m.startswith(RQ_QUEUE_PREFIX) and valid_queue_name(q) and re.fullmatch(queue_pattern, q):
                 queues.append(q)

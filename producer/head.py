@@ -171,7 +171,7 @@ class Head:
                      f"{counts['waiting']:,} waiting in the store, {counts['pending']:,} pending")
 
     def _publish(self, counts: dict[str, int], *, changed_only: bool = False) -> None:
-        """The store's figures for those without it (the supervisor's ETA, `producer runs`)."""
+        """The store's figures for those without it (the supervisor's ETA counts `store_pending`)."""
         gauges = {STORE_WAITING: counts["waiting"], STORE_PENDING: counts["pending"]}
         if not (changed_only and gauges == self.gauges):
             self.r.hset(self.keys.stats, mapping=gauges)

@@ -150,7 +150,7 @@ def after_enqueue(lines: list[str]) -> list[str]:
 
 def test_the_terminal_keeps_no_stale_bar_and_one_throughput_figure_after_ctrl_c_and_after_the_export(
         tmp_path: Path, terminals: list[Terminal]) -> None:
-    n = 120
+    n = 240  # long enough (~15 s of serving) that the Ctrl-C lands mid-run under load
     rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=48)
     env = run_env(tmp_path, SGLANG_SIM_TIME_SCALE="2", BATCHFLEET_WINDOW_DEFAULT="30", BATCHFLEET_WINDOW_MAX="30")
     first = Terminal(tmp_path, env)

@@ -24,7 +24,8 @@ _HELP_FILE = "launch-help-0.5.23.txt"
 # Value types of the flags the simulator acts on; everything else is kept as the string given.
 _INT_FLAGS = {
     "port", "max_running_requests", "max_queued_requests", "max_total_tokens", "context_length",
-    "decode_log_interval", "tp_size", "dp_size", "pp_size", "chunked_prefill_size", "max_prefill_tokens",
+    "decode_log_interval", "tp_size", "dp_size", "pp_size", "attn_dp_size", "gpu_id_step", "nnodes", "node_rank",
+    "chunked_prefill_size", "max_prefill_tokens",
     "max_mamba_cache_size", "mamba_track_interval", "cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill",
     "cuda_graph_max_bs", "random_seed", "base_gpu_id", "page_size", "stream_interval",
 }
@@ -34,8 +35,8 @@ _FLOAT_FLAGS = {"mem_fraction_static", "mamba_full_memory_ratio", "schedule_cons
 _DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1", "port": 30000, "decode_log_interval": 40, "mamba_radix_cache_strategy": "auto",
     "mamba_scheduler_strategy": "auto", "mamba_track_interval": 256, "tp_size": 1, "dp_size": 1,
-    "pp_size": 1, "schedule_policy": "fcfs", "log_level": "info", "dtype": "auto", "load_format": "auto",
-    "kv_cache_dtype": "auto", "tokenizer_mode": "auto", "page_size": 1, "stream_interval": 1,
+    "pp_size": 1, "attn_dp_size": 1, "schedule_policy": "fcfs", "log_level": "info", "dtype": "auto",
+    "load_format": "auto", "kv_cache_dtype": "auto", "tokenizer_mode": "auto", "page_size": 1, "stream_interval": 1,
     "schedule_conservativeness": 1.0, "base_gpu_id": 0,
 }
 

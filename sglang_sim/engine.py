@@ -25,6 +25,7 @@ from .faults import Faults
 from .logs import log
 from .memory import MemoryPlan
 from .metrics import Metrics
+from .parallel import Layout
 from .prefix_cache import PrefixCache
 from .profiles import Profile
 
@@ -85,15 +86,21 @@ class EngineConfig:
     decode_log_interval: int
     time_scale: float
     max_queued: int | None
-    dp_size: int
-    tp_size: int
+    layout: Layout = field(default_factory=Layout)
+
+    def decode_step_s(self, batch: int) -> float:
+        """One decode step of `batch` requests on this server's group (parallel.py's speed model)."""
+        return self.profile.decode_step_s(self.layout.micro_batch(batch)) * self.layout.step_factor
+
+    def prefill_s(self, new_tokens: int) -> float:
+        return self.profile.prefill_s(new_tokens) * self.layout.step_factor
 
 
 class Rank:
     """One data-parallel rank: its own queue, batch and memory pools."""
 
-    def __init__(self, engine: Engine, index: int) -> None:
-        self.engine, self.index = engine, index
+    def __init__(self, engine: Engine, index: int, prefix: str = "") -> None:
+        self.engine, self.index, self.prefix = engine, index, prefix
         cfg = engine.cfg
         self.cap = cfg.plan.effective_max_running
         self.tokens = cfg.plan.max_total_num_tokens
@@ -135,8 +142,12 @@ class Rank:
         return self.mamba_used() / pool if pool else 0.0
 
     def _log(self, msg: str) -> None:
-        cfg = self.engine.cfg
-        log(msg, dp_rank=self.index if cfg.dp_size > 1 else None, tp_rank=0 if cfg.tp_size > 1 else None)
+        log(msg, prefix=self.prefix)
+
+    def step_batch(self) -> int:
+        """The batch a decode step is priced on: this rank's, or with attention DP the whole TP
+        group's, whose ranks step in lock-step (parallel.py)."""
+        return self.engine.running if self.engine.cfg.layout.attn_dp > 1 else len(self.running)
 
     def _usage_text(self) -> str:
         if self.engine.cfg.profile.hybrid:
@@ -174,7 +185,7 @@ class Rank:
 
     def advance(self, now: float) -> None:
         """Run prefill batches and decode steps until this rank's clock reaches `now`."""
-        engine, profile = self.engine, self.engine.cfg.profile
+        engine, cfg = self.engine, self.engine.cfg
         if self.hung:
             return
         while True:
@@ -184,13 +195,13 @@ class Rank:
                 # it kept decoding, and the prefill follows the step in progress. (Jumping the clock
                 # to the arrival would idle every running request for up to a step per admission.)
                 self.waiting.extendleft(reversed(batch))
-                step = profile.decode_step_s(len(self.running))
+                step = cfg.decode_step_s(self.step_batch())
                 self._decode(math.ceil((min(r.arrival_model for r in batch) - self.t) / step))
                 continue
             if batch:
                 new_tokens = sum(r.prompt_tokens + r.generated - r.cached_tokens for r in batch)
                 self.t = max(self.t, min(r.arrival_model for r in batch))
-                prefill = profile.prefill_s(new_tokens)
+                prefill = cfg.prefill_s(new_tokens)
                 self.slot_s += prefill * (len(self.running) + len(batch))  # the batch holds its slots already
                 self.t += prefill
                 for r in batch:
@@ -207,7 +218,7 @@ class Rank:
                     self.full_at = (self.t, self.slot_s)
                 if any(not r.internal for r in batch):
                     self.last_admit = (self.t, self.slot_s)
-                if profile.hybrid:
+                if cfg.profile.hybrid:
                     usage = f"full token usage: {self.full_usage():.2f}, mamba usage: {self.mamba_usage():.2f}"
                 else:
                     usage = f"token usage: {self.full_usage():.2f}"
@@ -230,16 +241,16 @@ class Rank:
                 self.last_log_t, self.last_log_tokens = self.t, self.gen_tokens
                 return
             self.idle_since = None
-            fit = int((now - self.t) / profile.decode_step_s(len(self.running)))
+            fit = int((now - self.t) / cfg.decode_step_s(self.step_batch()))
             if fit <= 0:
                 return
             self._decode(fit)
 
     def _decode(self, steps: int) -> None:
         """Up to `steps` decode steps, stopping early at a finish, a log line or a full KV pool."""
-        engine, profile = self.engine, self.engine.cfg.profile
+        engine = self.engine
         self._retract()
-        step = profile.decode_step_s(len(self.running))
+        step = engine.cfg.decode_step_s(self.step_batch())
         interval = self.engine.cfg.decode_log_interval
         to_log = interval - self.decode_steps % interval
         room = max(1, (self.tokens - self.used_tokens()) // len(self.running))
@@ -306,7 +317,8 @@ class Rank:
 class Engine:
     def __init__(self, cfg: EngineConfig, *, faults: Faults, metrics: Metrics) -> None:
         self.cfg, self.faults, self.metrics = cfg, faults, metrics
-        self.ranks = [Rank(self, i) for i in range(cfg.dp_size)]
+        stats = cfg.layout.stats_ranks()  # the rank of each DP rank that logs its batches
+        self.ranks = [Rank(self, i, stats[i].prefix(cfg.layout)) for i in range(cfg.layout.num_dp_ranks)]
         self._wall0 = time.monotonic()
         self._next_rank = 0
         self.admitted_total = 0

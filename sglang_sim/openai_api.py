@@ -32,10 +32,11 @@ _PARAM_MAP = {
 
 
 def _error(status: int, message: str) -> web.Response:
-    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             500: "InternalServerError", 503: "ServiceUnavailableError"}
-    return _json({"object": "error", "message": message, "type": kinds.get(status, "BadRequestError"),
-                  "param": None, "code": status}, status)
+    """SGLang's OpenAI ErrorResponse. A 5xx comes from a scheduler abort (an HTTPException), whose type
+    is the status itself (upstream: srt/entrypoints/openai/serving_base.py `handle_request`)."""
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}
+    kind = str(status) if status >= 500 else kinds.get(status, "BadRequestError")
+    return _json({"object": "error", "message": message, "type": kind, "param": None, "code": status}, status)
 
 
 class OpenAIRoutes:

@@ -1,7 +1,13 @@
 """Model/GPU profiles: the numbers the memory model and the step-time model run on.
 
-A profile stands for one model on one GPU. Memory is in GB the way SGLang counts it (GiB, 2**30
-bytes). Choose one with env `SGLANG_SIM_PROFILE` (default `tiny-hybrid`).
+A profile stands for one model on one kind of GPU. Memory is in GB the way SGLang counts it (GiB,
+2**30 bytes). Choose one with env `SGLANG_SIM_PROFILE` (default `tiny-hybrid`).
+
+Figures are for the whole model on one GPU: weights, KV bytes per token and mamba state bytes per
+request of all layers; the decode and prefill times of one GPU that would hold all of it. A server on
+a group of GPUs divides them as SGLang shards the model (memory.py) and speeds them up with the
+simple model of parallel.py, so a profile too big for one GPU (`dense-70b-96gb`, `moe-235b-96gb`)
+dies of CUDA out of memory with `--tp-size 1` and serves with `--tp-size 4`.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class Profile:
     decode_per_req_after_knee_s: float
     prefill_base_s: float
     prefill_per_token_s: float
+    kv_heads: int = 8  # KV heads of a full-attention layer: TP ranks past this many hold copies
+    attn_weight_gb: float = 0.0  # attention weights, sharded over attention-TP only (replicated across attention DP)
 
     @property
     def mamba_slot_bytes(self) -> int:
@@ -62,7 +70,7 @@ PROFILES: dict[str, Profile] = {
         mamba_conv_bytes=2 * MIB, mamba_ssm_bytes=28 * MIB, kv_bytes_per_token=32 * 1024, context_len=262144,
         default_mem_fraction=0.88, chunked_prefill_size=8192,
         decode_base_s=0.064, decode_per_req_s=0.00005, decode_knee=96, decode_per_req_after_knee_s=0.0008,
-        prefill_base_s=0.015, prefill_per_token_s=0.00008,
+        prefill_base_s=0.015, prefill_per_token_s=0.00008, kv_heads=4, attn_weight_gb=4.0,
     ),
     # Small numbers, same formulas: ~12 slots under extra_buffer, ~20 under no_buffer, fast steps.
     "tiny-hybrid": Profile(
@@ -72,6 +80,32 @@ PROFILES: dict[str, Profile] = {
         default_mem_fraction=0.85, chunked_prefill_size=2048,
         decode_base_s=0.020, decode_per_req_s=0.0001, decode_knee=64, decode_per_req_after_knee_s=0.0005,
         prefill_base_s=0.005, prefill_per_token_s=0.00002,
+    ),
+    # A 70B-class dense transformer (Llama-3.3-70B-like, bf16) on the same 96 GB card: 131 GB of weights
+    # do not fit one GPU; TP2 leaves ~8 GB per GPU for KV, TP4 ~41 GB. 80 layers x 8 KV heads x 128 x
+    # 2 x 2 bytes = 320 KiB of KV per token. Step times are not calibrated on a measurement: the
+    # one-GPU step scales the seed profile's by the weights read per step (131 / 54 GB), with a
+    # steeper per-request cost (every layer attends); a TP4 server decodes one request in ~56 ms per step.
+    "dense-70b-96gb": Profile(
+        name="dense-70b-96gb", model_path="meta-llama/Llama-3.3-70B-Instruct", architecture="LlamaForCausalLM",
+        hybrid=False, gpu_total_gb=96.0, cuda_context_gb=0.5, weight_gb=131.4, held_gb=10.0, activation_gb=3.5,
+        mamba_conv_bytes=0, mamba_ssm_bytes=0, kv_bytes_per_token=320 * 1024, context_len=131072,
+        default_mem_fraction=0.88, chunked_prefill_size=8192,
+        decode_base_s=0.155, decode_per_req_s=0.0005, decode_knee=128, decode_per_req_after_knee_s=0.001,
+        prefill_base_s=0.04, prefill_per_token_s=0.0002, kv_heads=8, attn_weight_gb=22.5,
+    ),
+    # A large MoE (Qwen3-235B-A22B-like, FP8 weights, bf16 KV): 221 GB of weights need TP4 at least on
+    # 96 GB cards. 94 layers x 4 KV heads x 128 x 2 x 2 bytes = 188 KiB per token; with TP8 the 4 KV
+    # heads are copied on two GPUs each, which is what `--attn-dp-size` (or `--dp-size N
+    # --enable-dp-attention`) avoids. Decode reads the active experts (22B) at small batches and more
+    # of them as the batch grows; the figures are invented to that shape, not measured.
+    "moe-235b-96gb": Profile(
+        name="moe-235b-96gb", model_path="Qwen/Qwen3-235B-A22B-Instruct-2507-FP8",
+        architecture="Qwen3MoeForCausalLM", hybrid=False, gpu_total_gb=96.0, cuda_context_gb=0.5, weight_gb=221.0,
+        held_gb=10.0, activation_gb=3.5, mamba_conv_bytes=0, mamba_ssm_bytes=0, kv_bytes_per_token=188 * 1024,
+        context_len=262144, default_mem_fraction=0.88, chunked_prefill_size=8192,
+        decode_base_s=0.09, decode_per_req_s=0.0003, decode_knee=256, decode_per_req_after_knee_s=0.0008,
+        prefill_base_s=0.05, prefill_per_token_s=0.00012, kv_heads=4, attn_weight_gb=6.2,
     ),
     # Test-only (supervisor's "canary does not gain"): tiny-hybrid's memory, but decode turns
     # compute-bound past 12 running requests, so the extra slots of no_buffer cost throughput.

@@ -24,8 +24,10 @@ MAX_SAMPLES = 2000
 
 class Recorder:
     def __init__(self, *, version: str, argv: list[str], flags: dict[str, Any], strategy: str,
-                 effective: int, profile: str, gpu_index: int) -> None:
-        # `{gpu}` in the path is the simulated GPU's index: one variable serves a launcher's every server
+                 effective: int, profile: str, gpu_indices: list[int]) -> None:
+        # `{gpu}` in the path is the index of the server's first GPU: one variable serves a launcher's
+        # every server
+        gpu_index = gpu_indices[0] if gpu_indices else 0
         raw = os.environ.get("SGLANG_SIM_RECORD", "").replace("{gpu}", str(gpu_index))
         self.path = Path(raw) if raw else None
         # The record is for tests and may be read by anyone who can read the run's files: like the
@@ -34,6 +36,7 @@ class Recorder:
             "pid": os.getpid(), "version": version, "argv": _redact_argv(argv),
             "flags": {k: ("***" if k in SECRET_FLAGS and v else v) for k, v in flags.items()}, "strategy": strategy,
             "effective_max_running_requests": effective, "profile": profile, "gpu_index": gpu_index,
+            "gpu_indices": list(gpu_indices),
         }
         self.requests_by_endpoint: Counter[str] = Counter()
         self.samples: list[list[float]] = []
@@ -61,6 +64,8 @@ class Recorder:
             "generation_tokens_total": e.metrics.generation_tokens if e else 0,
             "aborted_total": e.metrics.aborted if e else 0,
             "error_marker_hits": e.faults.error_marker_hits if e else 0,
+            "sick": e.faults.sick if e else False,
+            "sick_answers": e.faults.sick_answers if e else 0,
             # [seconds since start, running, queued] whenever the pair changed (sampled per tick)
             "max_running_seen_over_time": self.samples,
             # per rank, in model time: occupied slot-seconds, and [model s, slot-seconds] when it first ran

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -16,11 +16,12 @@ from aiohttp import web
 
 from .engine import Engine, QueueFullError, Request
 from .memory import MemoryPlan
+from .parallel import Layout
 from .profiles import Profile
 from .record import Recorder
 from .textgen import ACCEPTED_SAMPLING_KEYS, count_tokens, generate, token_ids
 
-__all__ = ["RequestError", "ServerState", "SimServer", "submit_all", "wait_any"]
+__all__ = ["RequestError", "ServerState", "SimServer", "error_response", "submit_all", "wait_any"]
 
 EOS_TOKEN_ID = 151645
 
@@ -44,10 +45,25 @@ class ServerState:
     overlap: bool
     time_scale: float
     model_name: str
+    layout: Layout = field(default_factory=Layout)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def error_response(status: int, message: str) -> web.Response:
+    """SGLang's body for a failed `/generate`: a ValueError (400) is `{"error": {"message"}}`
+    (`_create_error_response`); a scheduler abort with a 5xx status becomes an HTTPException, which
+    its handler answers as an OpenAI ErrorResponse whose type is the status (upstream:
+    srt/entrypoints/http_server.py, srt/managers/tokenizer_manager.py `_handle_abort_finish_reason`)."""
+    if status >= 500:
+        return _json({"object": "error", "message": message, "type": str(status), "param": None, "code": status},
+                     status)
+    return _json({"error": {"message": message}}, status)
+
+
+SICK_MESSAGE = "Internal server error: the scheduler failed this request (SGLANG_SIM_SICK_AFTER)."
 
 
 class SimServer:
@@ -94,6 +110,8 @@ class SimServer:
             raise
 
     def check_generation_fault(self, prompts: list[Any] | None = None) -> None:
+        if self.engine.faults.on_generation_request():
+            raise RequestError(500, SICK_MESSAGE)
         if self.engine.faults.draw_error(prompts):
             raise RequestError(500, "Internal server error (SGLANG_SIM_ERROR_RATE / SGLANG_SIM_ERROR_MARKER).")
 
@@ -154,10 +172,10 @@ class SimServer:
                 return await self._stream_native(request, reqs)
             await self.submit_and_wait(reqs)
         except RequestError as e:
-            return _json({"error": {"message": e.message}}, e.status)
+            return error_response(e.status, e.message)
         for r in reqs:
             if r.state == "aborted" and r.abort_status >= 500:
-                return _json({"error": {"message": r.abort_message}}, r.abort_status)
+                return error_response(r.abort_status, r.abort_message or "aborted")
         outs = [self.native_output(r) for r in reqs]
         return _json(outs if (batch or n > 1) else outs[0])
 
@@ -195,6 +213,10 @@ class SimServer:
     async def health_generate(self, request: web.Request) -> web.Response:
         if not self.ready:
             return web.Response(status=503)
+        if self.engine.faults.sick:
+            # What a route whose handler raises answers in SGLang's FastAPI app (Starlette's default).
+            self.engine.faults.sick_answers += 1
+            return web.Response(status=500, text="Internal Server Error")
         req = self.make_request("health", {"max_new_tokens": 1, "ignore_eos": True},
                                 rid=f"HEALTH_CHECK_{uuid.uuid4().hex[:8]}", endpoint="health", internal=True)
         # As SGLang does: any output of the scheduler after the check began proves it healthy (a full
@@ -229,10 +251,15 @@ class SimServer:
             served_model_name=st.model_name, context_length=st.flags.get("context_length"),
             status="ready" if self.ready else "starting", max_total_num_tokens=plan.max_total_num_tokens,
             max_req_input_len=plan.context_len - 5, version=st.version,
+            chunked_prefill_size=plan.chunked_prefill_size,
         )
+        if not st.legacy:
+            # resolved values: `--dp-size N --enable-dp-attention` reads back as attn_dp_size=N, dp_size=1
+            info.update(tp_size=st.layout.tp, pp_size=st.layout.pp, dp_size=st.layout.dp,
+                        attn_dp_size=st.layout.attn_dp, enable_dp_attention=st.layout.attn_dp > 1)
         states = []
         for rank in self.engine.ranks:
-            s = plan.as_internal_state(rank.gen_throughput)
+            s = plan.as_internal_state(rank.gen_throughput, world_size=st.layout.world_size)
             if st.legacy:
                 s.pop("effective_max_running_requests_per_dp")
             states.append(s)
@@ -278,6 +305,9 @@ class SimServer:
                                              "(When there are running or waiting requests, the operation will "
                                              "not be performed.)\n")
 
+    async def freeze_gc(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
     async def observed(self, request: web.Request) -> web.Response:
         return _json(self.recorder.snapshot())
 
@@ -315,6 +345,7 @@ class SimServer:
             r.add_get("/metrics", self.metrics)
         r.add_post("/abort_request", self.abort_request)
         r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/freeze_gc", self.freeze_gc)
         r.add_get("/sim/observed", self.observed)
         return app
 

@@ -25,7 +25,7 @@ import httpx
 
 from .conftest import free_port
 
-__all__ = ["BIN_DIR", "REPO", "SimProc", "free_port", "run_sim_cli", "sim_env", "start_sim"]
+__all__ = ["BIN_DIR", "REPO", "SimProc", "free_port", "gpu_memory_used", "run_sim_cli", "sim_env", "start_sim"]
 
 REPO = Path(__file__).resolve().parents[1]
 BIN_DIR = REPO / "sglang_sim" / "bin"
@@ -92,6 +92,11 @@ class SimProc:
             time.sleep(0.05)
         raise TimeoutError(f"simulator not ready after {timeout_s}s:\n{self.logs()[-3000:]}")
 
+    def wait_exit(self, timeout_s: float = 30) -> int:
+        """The exit status of a server that is to die on its own (negative: killed by that signal)."""
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout_s)
+
     def logs(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
@@ -123,6 +128,13 @@ class SimProc:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def gpu_memory_used(env: dict[str, str]) -> dict[int, int]:
+    """MiB used per GPU index, as the nvidia-smi shim on `env`'s PATH reports it."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"], env=env,
+                         capture_output=True, text=True, check=True)
+    return {int(i): int(used) for i, used in (line.split(", ") for line in out.stdout.splitlines())}
 
 
 def start_sim(*flags: str, env: dict[str, str] | None = None, port: int | None = None,

@@ -98,7 +98,7 @@ def _started(flags: list[str], env: dict) -> tuple[int, str, dict]:
 def test_seed_calibration_table() -> None:
     default, logs, info = _started([], SEED)
     assert default == 37
-    assert re.search(r"WARNING: max_running_requests is capped to 37 by the mamba state cache "
+    assert re.search(r"\] max_running_requests is capped to 37 by the mamba state cache "
                      r"\(max_mamba_cache_size=18\d, 5 state slots per request\)\.", logs)
     assert re.search(r"Mamba Cache is allocated\. max_mamba_cache_size: 18\d, conv_state size: \d+\.\d\dGB, "
                      r"ssm_state size: \d+\.\d\dGB", logs)

@@ -152,3 +152,43 @@ def test_gpu_memory_freed_after_exit_and_sigkill() -> None:
     py = subprocess.run([sys.executable, "-m", "sglang_sim.gpus", "--query-gpu=index,memory.used,memory.total",
                          "--format=csv,noheader,nounits"], env=again.env, capture_output=True, text=True, check=True)
     assert py.stdout.splitlines()[3] == "3, 0, 8192"
+
+
+def test_a_sick_server_stays_up_but_answers_500_to_every_generation_and_to_health_generate() -> None:
+    with start_sim(env={**FAST, "SGLANG_SIM_SICK_AFTER": "3"}) as sim:
+        healthy = [
+            httpx.post(sim.url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}}, timeout=10),
+            httpx.post(sim.url + "/v1/completions", json={"prompt": "b", "max_tokens": 2}, timeout=10),
+            httpx.post(sim.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "c"}],
+                                                                "max_tokens": 2}, timeout=10),
+        ]
+        assert [r.status_code for r in healthy] == [200, 200, 200]
+        assert httpx.get(sim.url + "/health_generate", timeout=10).status_code == 200  # probes do not count
+        native = httpx.post(sim.url + "/generate", json={"text": "d"}, timeout=10)
+        chat = httpx.post(sim.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "e"}]},
+                          timeout=10)
+        health = httpx.get(sim.url + "/health_generate", timeout=10)
+        # SGLang's shape for a scheduler abort with a 5xx status (an HTTPException), on both kinds of route
+        for r in (native, chat):
+            body = r.json()
+            assert r.status_code == 500 and body["object"] == "error" and body["code"] == 500, r.text
+            assert body["type"] == "500" and body["message"]
+        assert (health.status_code, health.text) == (500, "Internal Server Error")
+        assert httpx.get(sim.url + "/health", timeout=10).status_code == 200
+        assert sim.proc.poll() is None
+        seen = sim.observed()
+        assert seen["sick"] is True and seen["sick_answers"] == 3
+
+
+def test_faults_once_lets_the_restarted_server_serve(tmp_path) -> None:
+    env = {**FAST, "SGLANG_SIM_SICK_AFTER": "1", "SGLANG_SIM_FAULTS_ONCE": str(tmp_path / "spent")}
+    statuses = []
+    for _ in range(2):
+        with start_sim(env=env) as sim:
+            statuses.append([httpx.post(sim.url + "/generate", json={"text": f"p {i}"}, timeout=10).status_code
+                             for i in range(3)])
+    assert statuses == [[200, 500, 500], [200, 200, 200]]
+    oom = {**FAST, "SGLANG_SIM_FAIL_STARTUP": "oom", "SGLANG_SIM_FAULTS_ONCE": str(tmp_path / "oom-spent")}
+    assert run_sim_cli("--model-path", "m", env=oom).returncode == -9
+    with start_sim(env=oom) as sim:
+        assert httpx.post(sim.url + "/generate", json={"text": "x"}, timeout=10).status_code == 200

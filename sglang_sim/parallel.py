@@ -76,7 +76,7 @@ class Layout:
 
         tp, pp, dp, attn_dp = size("tp_size"), size("pp_size"), size("dp_size"), size("attn_dp_size")
         for key, value in (("tp_size", tp), ("pp_size", pp), ("dp_size", dp)):
-            if value < 1:
+            if value < 1:  # SGLang checks only --attn-dp-size so; it fails later on these, the simulator here
                 raise MainProcessError(f"ValueError: --{key.replace('_', '-')} must be positive (got {value}).")
         if flags.get("enable_dp_attention") and attn_dp == 1:
             attn_dp, dp = dp, 1  # parallel_hook.handle_deprecated_dp_attention

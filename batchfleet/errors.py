@@ -9,13 +9,19 @@
     └── ServerError          the SGLang server is unusable: stop taking work, restart the server
         ├── ServerStartError     it did not become ready (exited, out of memory, timed out)
         └── ServerDied           it was ready and then went away or stopped generating
+
+A prompt that fails for good gets a result whose error names one `ErrorCode` (the export's
+`error.code`).
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 __all__ = [
     "BatchfleetError",
     "ConfigError",
+    "ErrorCode",
     "JobRefused",
     "PromptError",
     "RecordError",
@@ -24,6 +30,15 @@ __all__ = [
     "ServerError",
     "ServerStartError",
 ]
+
+
+class ErrorCode(StrEnum):
+    """The `code` of a failed prompt's error, in its result and its export line."""
+
+    INVALID_PROMPT = "invalid_prompt"  # PromptError: the server refused it for good (HTTP 400, too long)
+    RETRIES_EXHAUSTED = "retries_exhausted"  # RetryableError, max_attempts times
+    SERVER_CRASH = "server_crash"  # quarantined: its server died with it inside, the last time alone
+    CANCELLED = "cancelled"  # `producer cancel` took it back before it had a result
 
 
 class BatchfleetError(Exception):

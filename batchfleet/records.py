@@ -6,10 +6,14 @@
 - `WorkerStatus`: what each worker publishes every few seconds; the supervisor reads only these.
   Its `facts` (`ServerFacts`) are what the server said about itself at start-up: pool sizes, the
   cap and what caused it; they do not change while the server lives.
-- `Event`: a decision or restart, for `supervisor watch` and the audit trail.
+- `Event`: a decision or restart (`EventKind`), for `supervisor watch` and the audit trail.
 - `ServerSpec`: the server configuration the supervisor wants, with its generation number
   (`Keys.control`: field `fleet` for every worker, `queue:<queue>` to override one GPU, e.g. a canary;
   keyed by queue, not worker name, so a restarted worker finds what was asked of its GPU).
+
+Every closed set of values a record carries is a StrEnum (`WorkerState`, `Strategy`, `CapCause`,
+`EventKind`); on the wire it is its value, a plain string. A record built in this process holds
+members (a string given for such a field is turned into its member, or refused).
 """
 
 from __future__ import annotations
@@ -32,13 +36,16 @@ from .redact import redact_argv
 __all__ = [
     "ENDPOINTS",
     "STRATEGIES",
+    "CapCause",
     "Event",
+    "EventKind",
     "Prompt",
     "RecordError",
     "Result",
     "ServerFacts",
     "ServerMetrics",
     "ServerSpec",
+    "Strategy",
     "WorkerState",
     "WorkerStatus",
     "decode",
@@ -47,10 +54,22 @@ __all__ = [
 
 log = logging.getLogger("batchfleet.records")
 
-# The mamba strategy rungs batchfleet knows, in the order the supervisor climbs them.
-# "default" sends no strategy flag at all (the server's own `auto`); "no_radix" disables the
-# radix cache, which removes the per-request slot overhead altogether.
-STRATEGIES = ("default", "extra_buffer", "extra_buffer_lazy", "no_buffer", "no_radix")
+
+class Strategy(StrEnum):
+    """The mamba strategies batchfleet knows, in the order the supervisor climbs them. DEFAULT sends
+    no strategy flag at all (the server's own `auto`); NO_RADIX disables the radix cache, which
+    removes the per-request slot overhead altogether."""
+
+    DEFAULT = "default"
+    EXTRA_BUFFER = "extra_buffer"
+    EXTRA_BUFFER_LAZY = "extra_buffer_lazy"
+    NO_BUFFER = "no_buffer"
+    NO_RADIX = "no_radix"
+    UNKNOWN = "unknown"  # a worker's report names one this version does not know; never asked of a server
+
+
+# The strategies a server can be asked to run (the CLI's choices, the allow-list of a ServerSpec).
+STRATEGIES = tuple(s.value for s in Strategy if s is not Strategy.UNKNOWN)
 
 # What a ServerSpec may ask of a server: anything outside is refused, whoever wrote it to Redis.
 MEM_FRACTION_RANGE = (0.3, 0.98)
@@ -65,16 +84,42 @@ class WorkerState(StrEnum):
     DRAINING = "draining"
     RESTARTING = "restarting"
     DOWN = "down"
+    UNKNOWN = "unknown"  # a state this version does not know (a newer worker's): the rest of its record holds
+
+
+class EventKind(StrEnum):
+    """What an `Event` records."""
+
+    RESTARTED = "restarted"  # a worker's server serves a new generation (data: downtime, handed back)
+    SPEC_REFUSED = "spec_refused"  # a worker refused a server spec read from Redis
+    SHUTDOWN_COMMAND = "shutdown_command"  # a worker drains and exits on RQ's shutdown command
+    DIAGNOSIS = "diagnosis"  # the autopilot's reading of a server that entered a problem class
+    STALL = "stall"  # the fleet is mamba-bound
+    DECISION = "decision"  # the autopilot decided (or decided not) to move
+    ADVICE = "advice"  # what it would do, under --dry-run
+    CANARY = "canary"  # a canary started, gained, or ended
+    ROLLOUT = "rollout"  # one more server moves to the new spec
+    ROLLED_OUT = "rolled_out"  # the new spec is the fleet's
+    VERIFIED = "verified"  # the fleet measured after a rollout
+    ROLLBACK = "rollback"
+    MANUAL = "manual"  # `supervisor restart`
+    UNKNOWN = "unknown"  # a kind this version does not know (a newer process wrote it)
 
 
 # --- decoding: records written by another process (maybe another version) ---------------------------
 # A rolling upgrade runs old and new processes side by side, so a record may carry fields this
-# version does not know: they are ignored, with one warning per record type and field set. A field
-# of the wrong type, or a record that is not an object, is a RecordError: the reader decides what to
-# do (skip the record, keep what it had), and never exits on it.
+# version does not know: they are ignored, with one warning per record type and field set. A value
+# of a StrEnum field this version does not know (a newer worker's state) is read as the enum's
+# UNKNOWN member, with one warning per enum and value, and the rest of the record is kept -- except
+# in a field marked REFUSE_UNKNOWN (what a server is asked to run: a worker cannot run what it does
+# not know). A field of the wrong type, or a record that is not an object, is a RecordError: the
+# reader decides what to do (skip the record, keep what it had), and never exits on it.
 
 R = TypeVar("R")
 _warned: set[tuple[str, frozenset[str]]] = set()
+_warned_values: set[tuple[str, str]] = set()
+_WARNED_VALUES_MAX = 1000  # a forger writing endless values gets that many warnings, then silence
+REFUSE_UNKNOWN = {"refuse_unknown": True}  # dataclass field metadata: an unknown enum value is a RecordError
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -105,15 +150,46 @@ def _record_type(hint: Any) -> type | None:
 
 
 # Per record type, worked out once (decode runs for every prompt a worker takes): field name ->
-# (its type check, nested record type, StrEnum type), and the set of known names.
+# (its type check, nested record type, StrEnum field), and the set of known names.
 Check = typing.Callable[[Any], bool]
-_PLANS: dict[type, tuple[frozenset[str], dict[str, tuple[Check, type | None, type | None]]]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class _EnumField:
+    enum: type[StrEnum]
+    members: dict[str, StrEnum]  # value -> member
+    unknown: StrEnum | None  # the enum's UNKNOWN member; None where an unknown value is refused
+
+    @classmethod
+    def of(cls, enum: type[StrEnum], *, refuse_unknown: bool) -> _EnumField:
+        return cls(enum, {m.value: m for m in enum}, None if refuse_unknown else enum.__members__.get("UNKNOWN"))
+
+    def member(self, record: type, name: str, value: str) -> StrEnum:
+        """The member of this value; an unknown one is UNKNOWN (one warning), or a RecordError."""
+        member = self.members.get(value)
+        if member is not None:
+            return member
+        if self.unknown is None:
+            known = ", ".join(m.value for m in self.enum if m.name != "UNKNOWN")
+            raise RecordError(f"{record.__name__}: {name} {value[:60]!r} is not one of {known}")
+        key = (self.enum.__name__, value[:200])
+        if key not in _warned_values and len(_warned_values) < _WARNED_VALUES_MAX:
+            _warned_values.add(key)
+            log.warning("%s record has %s %r, which this version does not know: read as %s.UNKNOWN, the rest of the "
+                        "record kept (a newer batchfleet wrote it?)", record.__name__, name, value[:60],
+                        self.enum.__name__)
+        return self.unknown
+
+
+_PLANS: dict[type, tuple[frozenset[str], dict[str, tuple[Check, type | None, _EnumField | None]]]] = {}
 
 
 def _check_for(hint: Any) -> Check:
     """The type check of one field, as a bare isinstance wherever the hint allows (it runs for every
     field of every prompt a worker takes)."""
     origin = typing.get_origin(hint)
+    if _is_enum(hint):  # any string: a value this version does not know is handled by _EnumField
+        return lambda v: isinstance(v, str)
     if hint in (str, bool, dict, list):
         return lambda v, t=hint: isinstance(v, t)
     if hint is int:
@@ -123,17 +199,38 @@ def _check_for(hint: Any) -> Check:
     return lambda v: _type_ok(v, hint)
 
 
-def _plan(cls: type) -> tuple[frozenset[str], dict[str, tuple[Check, type | None, type | None]]]:
+def _is_enum(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, StrEnum)
+
+
+def _plan(cls: type) -> tuple[frozenset[str], dict[str, tuple[Check, type | None, _EnumField | None]]]:
     plan = _PLANS.get(cls)
     if plan is None:
         hints = typing.get_type_hints(cls)
         per_field = {}
         for f in fields(cls):  # type: ignore[arg-type]
             hint = hints[f.name]
-            enum = hint if isinstance(hint, type) and issubclass(hint, StrEnum) else None
+            enum = _EnumField.of(hint, refuse_unknown=bool(f.metadata.get("refuse_unknown"))) \
+                if _is_enum(hint) else None
             per_field[f.name] = (_check_for(hint), _record_type(hint), enum)
         plan = _PLANS[cls] = (frozenset(per_field), per_field)
     return plan
+
+
+_ENUM_FIELDS: dict[type, tuple[tuple[str, type[StrEnum]], ...]] = {}
+
+
+def _members(record: Any) -> None:
+    """In a record's __post_init__: each StrEnum field holds a member, not the string it was given
+    (ValueError for a string that is none of them). Decoded records hold members already."""
+    cls = type(record)
+    enums = _ENUM_FIELDS.get(cls)
+    if enums is None:
+        enums = _ENUM_FIELDS[cls] = tuple((name, e.enum) for name, (_, _, e) in _plan(cls)[1].items() if e is not None)
+    for name, enum in enums:
+        value = getattr(record, name)
+        if type(value) is not enum:
+            object.__setattr__(record, name, enum(value))
 
 
 def decode(cls: type[R], data: Any) -> R:
@@ -159,7 +256,7 @@ def decode(cls: type[R], data: Any) -> R:
         if sub is not None and isinstance(value, dict):
             value = decode(sub, value)
         elif enum is not None:
-            value = enum(value)
+            value = enum.member(cls, name, value)
         values[name] = value
     try:
         return cls(**values)
@@ -269,8 +366,13 @@ class ServerMetrics:
     ts: float | None = None  # when the worker scraped these (its clock): rates pair a counter with this
 
 
-# What caps a server's concurrency, as its start-up sizing decided (ServerFacts.cap_cause).
-CAP_MAMBA, CAP_KV, CAP_REQUESTED = "mamba", "kv", "requested"
+class CapCause(StrEnum):
+    """What caps a server's concurrency, as its start-up sizing decided (`ServerFacts.cap_cause`)."""
+
+    MAMBA = "mamba"  # the mamba state pool
+    KV = "kv"  # the KV pool
+    REQUESTED = "requested"  # --max-running-requests
+    UNKNOWN = ""  # the server did not say, or said what this version does not know
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,12 +382,14 @@ class ServerFacts:
 
     effective_max_running: int = 0
     requested_max_running: int | None = None  # --max-running-requests as asked (top-level server_info)
-    cap_cause: str = ""  # CAP_MAMBA | CAP_KV | CAP_REQUESTED | "" (unknown)
+    cap_cause: CapCause = CapCause.UNKNOWN
     mamba_pool: int | None = None  # max_mamba_cache_size: state slots
     slots_per_request: int | None = None  # mamba state slots reserved per running request (5, 4, 3, 1)
     max_total_num_tokens: int | None = None  # the KV pool, in tokens
     context_len: int | None = None
-    strategy: str = ""  # the mamba strategy the server resolved (auto -> extra_buffer / no_buffer)
+    # The mamba strategy the server resolved (auto -> extra_buffer / no_buffer): SGLang's word, not one
+    # of batchfleet's rungs (`Strategy`), so a plain string.
+    strategy: str = ""
     radix_cache: bool = True
     mem_fraction_static: float | None = None  # as resolved by the server
     memory_before_load_gb: float | None = None  # GPU memory free before the weights loaded
@@ -293,6 +397,9 @@ class ServerFacts:
     kv_gb: float | None = None  # the KV pool
     mamba_gb: float | None = None  # the mamba state pool (conv + ssm)
     version: str = ""
+
+    def __post_init__(self) -> None:
+        _members(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +410,7 @@ class WorkerStatus:
     gpu: int | None
     state: WorkerState
     server_url: str = ""
-    strategy: str = "default"
+    strategy: Strategy = Strategy.DEFAULT
     server_flags: list[str] = field(default_factory=list)
     generation: int = 0  # the control generation this worker's server runs
     effective_max: int = 0
@@ -319,6 +426,7 @@ class WorkerStatus:
     ts: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
+        _members(self)
         # The server's command line may hold its API key (`--api-key K`): never in a record, whoever
         # built it (this worker, or an older one whose record is read back).
         flags = redact_argv(self.server_flags) if isinstance(self.server_flags, list) else self.server_flags
@@ -340,14 +448,15 @@ class ServerSpec:
     is free, start, rediscover capacity, resume)."""
 
     generation: int = 0
-    strategy: str = "default"  # one of STRATEGIES
+    strategy: Strategy = field(default=Strategy.DEFAULT, metadata=REFUSE_UNKNOWN)  # a server runs only what it knows
     mem_fraction_static: float | None = None
     max_running_requests: int | None = None
 
     def __post_init__(self) -> None:
         """The allow-list: a spec is data from Redis, so only values a server can sensibly run pass."""
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+            raise ValueError(f"strategy {str(self.strategy)!r} is not one of {', '.join(STRATEGIES)}")
+        _members(self)
         if self.generation < 0:
             raise ValueError(f"generation {self.generation} is negative")
         lo, hi = MEM_FRACTION_RANGE
@@ -375,11 +484,14 @@ class ServerSpec:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    kind: str  # e.g. decision, restart, canary, rollback, server_start_failed
+    kind: EventKind
     message: str
     source: str = ""
     data: dict[str, Any] = field(default_factory=dict)
     ts: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        _members(self)
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))

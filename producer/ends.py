@@ -49,6 +49,7 @@ import redis
 
 from batchfleet.config import Config
 from batchfleet.connection import redacted
+from batchfleet.errors import ErrorCode
 from batchfleet.fleetview import read_fleet_view
 from batchfleet.keys import (
     RQ_FAILED_PREFIX,
@@ -71,7 +72,7 @@ from .store import State, Store
 __all__ = ["CANCELLED", "CancelSummary", "PurgeRefused", "PurgeSummary", "cancel", "cancelled_line",
            "expire_finished", "live_workers", "mark_ended", "purge", "refeed", "run_cancel", "run_purge"]
 
-CANCELLED = "cancelled"  # the export's error code of a cancelled prompt
+CANCELLED = ErrorCode.CANCELLED  # the export's error code of a cancelled prompt
 PAGE = 1000
 
 # KEYS = done, strikes, suspects, isolate, leases, <job key>...

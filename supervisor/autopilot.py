@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 
 from batchfleet.keys import Keys
-from batchfleet.records import Event, RecordError, ServerSpec, decode
+from batchfleet.records import Event, EventKind, RecordError, ServerSpec, decode
 
 from .classify import CLIENT_BOUND, DOWN, HUNG, KV_BOUND, MAMBA_BOUND, SILENT, ServerView, WindowReport
 from .ladder import LadderConfig, next_rung, spec_key
@@ -201,10 +201,10 @@ class Autopilot:
         return statistics.median(st.restart_costs) if st.restart_costs else self.s.restart_cost_s
 
     # --- helpers -------------------------------------------------------------------------------
-    def _emit(self, kind: str, message: str, **data: Any) -> None:
+    def _emit(self, kind: EventKind, message: str, **data: Any) -> None:
         self._out.append(Emit(Event(kind=kind, message=message, source="supervisor", data=data)))
 
-    def _note(self, topic: str, key: str, kind: str, message: str, **data: Any) -> None:
+    def _note(self, topic: str, key: str, kind: EventKind, message: str, **data: Any) -> None:
         """Emit only when what there is to say on `topic` changed in substance (`key`, not the figures
         in `message`), so a steady state is said once."""
         if self.state.notes.get(topic) != key:
@@ -218,7 +218,7 @@ class Autopilot:
         gen = ServerSpec(**st.target).generation
         names = {v.worker: v.queue for v in report.servers}
         for e in events:
-            if e.kind != "restarted" or e.data.get("generation") != gen:
+            if e.kind is not EventKind.RESTARTED or e.data.get("generation") != gen:
                 continue
             queue = e.data.get("queue") or names.get(e.source)
             if queue == st.canary and isinstance(e.data.get("downtime_s"), int | float):
@@ -234,10 +234,10 @@ class Autopilot:
                 self.state.notes.pop(v.worker, None)
                 continue
             key = "|".join([v.cls if problem else "", *(o.split(" ")[0] for o in v.outliers)])
-            self._note(v.worker, key, "diagnosis", text, worker=v.worker, queue=v.queue, cls=str(v.cls),
+            self._note(v.worker, key, EventKind.DIAGNOSIS, text, worker=v.worker, queue=v.queue, cls=str(v.cls),
                        reasons=v.reasons, outliers=v.outliers, ours=v.cls == CLIENT_BOUND)
         for host, why in report.hosts.items():
-            self._note("host:" + host, "|".join(w.split(":")[0] for w in why), "diagnosis",
+            self._note("host:" + host, "|".join(w.split(":")[0] for w in why), EventKind.DIAGNOSIS,
                        f"host {host}: slower than the other hosts: " + "; ".join(why), host=host, reasons=why)
         for topic in [t for t in self.state.notes if t.startswith("host:") and t[5:] not in report.hosts]:
             self.state.notes.pop(topic)
@@ -253,8 +253,8 @@ class Autopilot:
         stale += [Keys.control_worker(w) for w in control.legacy if w not in live_workers]
         if stale:
             self._out.append(DropFields(tuple(sorted(stale))))
-            self._emit("decision", f"removed {len(stale)} stale override(s) ({', '.join(sorted(stale))}): no worker "
-                       "serves them any more", removed=sorted(stale))
+            self._emit(EventKind.DECISION, f"removed {len(stale)} stale override(s) ({', '.join(sorted(stale))}): "
+                       "no worker serves them any more", removed=sorted(stale))
 
     @staticmethod
     def _seen(report: WindowReport) -> dict[str, Any]:
@@ -283,7 +283,7 @@ class Autopilot:
         needed = self.s.static_windows if static else self.s.windows
         evidence = "start-up facts" if static else "gauges"
         if st.stall < needed:
-            self._emit("stall", f"mamba-bound on {len(stalled)}/{len(report.serving)} serving GPUs "
+            self._emit(EventKind.STALL, f"mamba-bound on {len(stalled)}/{len(report.serving)} serving GPUs "
                        f"(window {st.stall} of {needed}, on {evidence})", seen=self._seen(report))
             return
         canary = stalled[0]
@@ -294,12 +294,12 @@ class Autopilot:
                          cache_hit_rate=statistics.fmean(hits) if hits else None, facts=canary.facts)
         cur, seen = control.current.describe(), self._seen(report)
         if prop.target is None:
-            self._note("fleet", "no-rung:" + "|".join(prop.reasons), "decision",
+            self._note("fleet", "no-rung:" + "|".join(prop.reasons), EventKind.DECISION,
                        f"stalled on {cur}, but no change to try: " + "; ".join(prop.reasons), seen=seen)
             return
         eta = report.eta_s
         if eta is None:
-            self._note("fleet", "eta-unknown", "decision",
+            self._note("fleet", "eta-unknown", EventKind.DECISION,
                        "stalled, but the work left cannot be estimated yet (no tokens generated yet)")
             return
         saved = eta * (1 - 1 / prop.ratio) if prop.ratio > 1 else 0.0
@@ -309,12 +309,12 @@ class Autopilot:
                  f"x{self.s.worth_factor:g}")
         if saved <= cost * self.s.worth_factor and report.eta_lower:
             # A lower bound can show that a restart pays, never that it does not: wait for a finished prompt.
-            self._note("fleet", "eta-lower", "decision", f"stalled, {prop.target.describe()} would gain "
+            self._note("fleet", "eta-lower", EventKind.DECISION, f"stalled, {prop.target.describe()} would gain "
                        f"x{prop.ratio:.2f}; the work left is at least ~{eta:,.0f} s (no prompt has finished yet, "
                        "so tokens per prompt are not known): too early to tell whether a restart pays", seen=seen)
             return
         if saved <= cost * self.s.worth_factor:
-            self._note("fleet", "not-worth", "decision", f"stalled, {prop.target.describe()} would gain "
+            self._note("fleet", "not-worth", EventKind.DECISION, f"stalled, {prop.target.describe()} would gain "
                        f"x{prop.ratio:.2f} but it is not worth a restart: {worth}", seen=seen)
             return
         key = spec_key(prop.target)
@@ -322,9 +322,9 @@ class Autopilot:
         why = [*{r for v in stalled for r in v.reasons[:1]}][:3] + prop.reasons + [worth]
         decide_s = round(now - st.stall_since, 1)
         if self.s.dry_run:
-            self._note("fleet", "advice:" + prop.target.describe(), "advice", f"advice (dry run): move {cur} -> "
-                       f"{prop.target.describe()}, predicted capacity x{prop.ratio:.2f} ({evidence})", seen=seen,
-                       why=why, windows=st.stall, decide_s=decide_s, evidence=evidence)
+            self._note("fleet", "advice:" + prop.target.describe(), EventKind.ADVICE, f"advice (dry run): move "
+                       f"{cur} -> {prop.target.describe()}, predicted capacity x{prop.ratio:.2f} ({evidence})",
+                       seen=seen, why=why, windows=st.stall, decide_s=decide_s, evidence=evidence)
             return
         target = replace(prop.target, generation=control.next_generation())
         st.baseline, st.target, st.predicted, st.bar = asdict(control.current), asdict(target), prop.ratio, bar
@@ -337,8 +337,8 @@ class Autopilot:
         st.measured, st.served_since, st.confounded, st.canary_restart, st.rolled = [], 0.0, "", {}, []
         st.notes.pop("fleet", None)
         retry = f" (try {st.tried[key]['tries'] + 1}, bar x{1 + bar:.2f})" if key in st.tried else ""
-        self._emit("decision", f"mamba-bound for {st.stall} window(s) on {len(stalled)}/{len(report.serving)} GPUs "
-                   f"({evidence}); canary {canary.label}: {cur} -> {target.describe()} (generation "
+        self._emit(EventKind.DECISION, f"mamba-bound for {st.stall} window(s) on {len(stalled)}/{len(report.serving)} "
+                   f"GPUs ({evidence}); canary {canary.label}: {cur} -> {target.describe()} (generation "
                    f"{target.generation}), predicted capacity x{prop.ratio:.2f}{retry}", seen=seen, why=why,
                    done=f"override {canary.label} (queue {canary.queue})", windows=st.stall, decide_s=decide_s,
                    evidence=evidence, before_tokens_per_s=round(st.before_tps, 1), target=st.target,
@@ -361,8 +361,8 @@ class Autopilot:
         if not st.served_since:
             st.served_since = now
         if report.backlog == 0:
-            self._emit("canary", f"the run is draining: nothing left to gain from {target.describe()}; the canary "
-                       f"{st.canary_label} keeps it, no rollout", canary=st.canary, verdict="draining")
+            self._emit(EventKind.CANARY, f"the run is draining: nothing left to gain from {target.describe()}; the "
+                       f"canary {st.canary_label} keeps it, no rollout", canary=st.canary, verdict="draining")
             self._reset()
             return
         since = v.steady_since(target.generation)
@@ -395,8 +395,8 @@ class Autopilot:
             # on a loaded machine that window once read half the rate, and the rollout "gained" x3.79).
             n = st.before_tps / st.before_server_tps if st.before_server_tps else len(report.serving)
             st.before_server_tps, st.before_tps = theirs, theirs * n
-        self._emit("canary", f"canary {st.canary_label} gained: {versus}); rolling out {self.s.rollout_batch} at a "
-                   f"time", **data)
+        self._emit(EventKind.CANARY, f"canary {st.canary_label} gained: {versus}); rolling out "
+                   f"{self.s.rollout_batch} at a time", **data)
         st.phase, st.phase_since, st.progress_since, st.rolled = Phase.ROLLING_OUT, now, now, [st.canary]
         self._rolling_out(report, control, now)
 
@@ -449,8 +449,8 @@ class Autopilot:
             st.rolled.append(v.queue)
             st.progress_since = now
             self._out.append(SetOverride(v.queue, target))
-            self._emit("rollout", f"{v.label} -> {target.describe()} (generation {target.generation})", queue=v.queue,
-                       worker=v.worker)
+            self._emit(EventKind.ROLLOUT, f"{v.label} -> {target.describe()} (generation {target.generation})",
+                       queue=v.queue, worker=v.worker)
         todo = [v for v in todo if v.queue not in st.rolled]
         pending = [v.queue for v in present if v.queue in st.rolled and v.queue not in moved]
         if not pending and not todo:
@@ -463,7 +463,7 @@ class Autopilot:
     def _to_verifying(self, target: ServerSpec, now: float, why: str) -> None:
         st = self.state
         self._out.append(SetFleet(target))
-        self._emit("rolled_out", f"{why}; it is now the fleet's spec (generation {target.generation})",
+        self._emit(EventKind.ROLLED_OUT, f"{why}; it is now the fleet's spec (generation {target.generation})",
                    target=st.target, rolled=st.rolled)
         st.phase, st.phase_since, st.measured, st.confounded = Phase.VERIFYING, now, [], ""
 
@@ -490,15 +490,16 @@ class Autopilot:
         slots = sorted({v.effective_max for v in serving})
         if not dur:
             why = "the run drained first" if report.backlog == 0 else st.confounded
-            self._emit("verified", f"unverified: no steady window after the rollout ({why}); slots per GPU {slots}",
-                       ratio=None, slots=slots, target=st.target, decide_s=st.decide_s)
+            self._emit(EventKind.VERIFIED, f"unverified: no steady window after the rollout ({why}); slots per GPU "
+                       f"{slots}", ratio=None, slots=slots, target=st.target, decide_s=st.decide_s)
             self._reset()
             return
         after = sum(m[0] * m[1] for m in st.measured) / dur
         after_server = sum(m[0] * m[2] for m in st.measured) / dur
         ratio = after_server / st.before_server_tps if st.before_server_tps else None
-        self._emit("verified", f"fleet {st.before_tps:,.0f} -> {after:,.0f} tok/s" + (f" (x{ratio:.2f} per server)"
-                   if ratio else "") + f" over {dur:.0f} s of steady windows, slots per GPU {slots} (predicted "
+        self._emit(EventKind.VERIFIED, f"fleet {st.before_tps:,.0f} -> {after:,.0f} tok/s"
+                   + (f" (x{ratio:.2f} per server)" if ratio else "")
+                   + f" over {dur:.0f} s of steady windows, slots per GPU {slots} (predicted "
                    f"x{st.predicted:.2f})", before_tokens_per_s=round(st.before_tps, 1),
                    after_tokens_per_s=round(after, 1), before_server_tokens_per_s=round(st.before_server_tps, 1),
                    after_server_tokens_per_s=round(after_server, 1), ratio=round(ratio, 3) if ratio else None,
@@ -526,7 +527,7 @@ class Autopilot:
             t["until"] = now + self.s.retry_after_s
             t["why"] = "inconclusive"
         st.tried[key] = t
-        self._emit("rollback", f"{why}; back to {baseline.describe()} (generation {baseline.generation}) on "
+        self._emit(EventKind.ROLLBACK, f"{why}; back to {baseline.describe()} (generation {baseline.generation}) on "
                    f"{', '.join(moved)}; {target.describe()} may be retried after {_when(t['until'])} with a bar of "
                    f"x{1 + t['bar']:.2f}", **data, verdict="failed" if failed else "inconclusive",
                    tried={key: t}, queues=moved)

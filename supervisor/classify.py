@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from batchfleet.records import CAP_MAMBA, ServerFacts, WorkerState, WorkerStatus
+from batchfleet.records import CapCause, ServerFacts, Strategy, WorkerState, WorkerStatus
 
 from .fleet import FleetSnapshot
 
@@ -120,8 +120,8 @@ class ServerView:
     label: str  # gpuN, or host/gpuN when the fleet spans hosts
     cls: Cls
     reasons: list[str]
-    state: str  # at the end of the window
-    strategy: str
+    state: WorkerState  # at the end of the window
+    strategy: Strategy
     generation: int
     effective_max: int
     slots: int  # the worker's in-flight limit
@@ -142,7 +142,7 @@ class ServerView:
     @property
     def serving(self) -> bool:
         """Serving, as far as anyone can tell: a silent record (its worker gone) says nothing now."""
-        return self.state == WorkerState.SERVING and self.cls != Cls.SILENT
+        return self.state is WorkerState.SERVING and self.cls != Cls.SILENT
 
     def steady_since(self, generation: int | None = None) -> float | None:
         """The start of the trailing run of samples where this server served (`generation`) and its
@@ -245,13 +245,13 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, si
     """(class, reasons, evidence); evidence is "static"/"gauges" for mamba-bound, "filling" for a
     client-bound server whose worker is still filling its slots, else ""."""
     last = samples[-1]
-    if last.state == WorkerState.DOWN:
+    if last.state is WorkerState.DOWN:
         return DOWN, [last.message or "the worker reports its server down"], ""
     if silent:
         return SILENT, ["its status record stopped changing: the worker is gone or stuck"], ""
-    if last.state != WorkerState.SERVING:
+    if last.state is not WorkerState.SERVING:
         return RESTARTING, [f"state {last.state}" + (f": {last.message}" if last.message else "")], ""
-    serving = [s for s in samples if s.state == WorkerState.SERVING and s.generation == last.generation]
+    serving = [s for s in samples if s.state is WorkerState.SERVING and s.generation == last.generation]
     first = serving[0]
     tokens = [s.metrics.generation_tokens_total for s in serving]
     progressed = last.done + last.failed > first.done + first.failed or (
@@ -294,7 +294,7 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, si
                           f"admits no more (full-KV usage {a.kv:.0%}, {a.kv_at_cap:.0%} at the cap)"], ""
     facts = last.facts
     kv_free = a.kv_at_cap is None or a.kv_at_cap < th.kv_low
-    if facts is not None and facts.cap_cause == CAP_MAMBA and facts.effective_max_running == last.effective_max \
+    if facts is not None and facts.cap_cause is CapCause.MAMBA and facts.effective_max_running == last.effective_max \
             and kv_free:
         pool = (f"{facts.mamba_pool} state slots, {facts.slots_per_request} per request" if facts.mamba_pool
                 else "its pool")
@@ -302,11 +302,11 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, si
                              f"({_pct(a.kv)} used, {_pct(a.kv_at_cap)} at the cap); {backlog} waiting; "
                              f"the worker offers {a.offered:.0f}"], "static"
     # Gauges only when the server did not say what caps it (an older worker or server).
-    if (facts is None or not facts.cap_cause) and a.running + a.queued >= a.cap - tol and a.mamba is not None \
-            and a.mamba >= th.mamba_high and a.kv is not None and a.kv < th.kv_low:
+    if (facts is None or facts.cap_cause is CapCause.UNKNOWN) and a.running + a.queued >= a.cap - tol \
+            and a.mamba is not None and a.mamba >= th.mamba_high and a.kv is not None and a.kv < th.kv_low:
         return MAMBA_BOUND, [f"running pinned at {a.cap}, {backlog} waiting, mamba usage {a.mamba:.0%}, "
                              f"KV usage {a.kv:.0%}: the mamba state pool caps concurrency"], "gauges"
-    cause = f" (capped by {facts.cap_cause})" if facts is not None and facts.cap_cause else ""
+    cause = f" (capped by {facts.cap_cause})" if facts is not None and facts.cap_cause is not CapCause.UNKNOWN else ""
     return SATURATED, [f"running {a.running:.0f} of {a.cap}{cause}; mamba {_pct(a.mamba)}, KV {_pct(a.kv)}: "
                        "nothing to gain by restarting"], ""
 
@@ -359,21 +359,21 @@ def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = 
     # Slots the serving fleet leaves unoffered: a backlog smaller than that is the run ending, not our side.
     short_of = 0.0
     for samples in series.values():
-        serving = [s for s in samples if s.state == WorkerState.SERVING]
+        serving = [s for s in samples if s.state is WorkerState.SERVING]
         if serving:
             short_of += max(0.0, serving[-1].effective_max - statistics.fmean(s.in_flight for s in serving))
     views = []
     for w in last.workers:
         samples = series[w.worker]
         cls, reasons, evidence = _classify_one(samples, backlog, short_of, w.worker in last.silent, last.finished, th)
-        serving = [s for s in samples if s.state == WorkerState.SERVING] or samples
+        serving = [s for s in samples if s.state is WorkerState.SERVING] or samples
         retracted = [s.metrics.retracted for s in serving if s.metrics.retracted is not None]
         points = []
         for snap in snapshots:
             s = next((x for x in snap.workers if x.worker == w.worker), None)
             if s is None:
                 continue
-            points.append(Point(ts=snap.ts, serving=s.state == WorkerState.SERVING, generation=s.generation,
+            points.append(Point(ts=snap.ts, serving=s.state is WorkerState.SERVING, generation=s.generation,
                                 filled=s.effective_max > 0
                                 and s.in_flight >= s.effective_max - th.tolerance(s.effective_max),
                                 tokens=s.metrics.generation_tokens_total, tokens_ts=s.metrics.ts,

@@ -26,7 +26,7 @@ from batchfleet.config import STRATEGIES, Config
 from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
-from batchfleet.records import ServerSpec
+from batchfleet.records import ServerSpec, WorkerState
 from batchfleet.redact import Scrubber
 
 from .autopilot import Settings, State
@@ -211,7 +211,8 @@ def _restart(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) 
 
     canary = args.canary
     if canary == "":
-        serving = [w for w in read_fleet(r, k, queue_pattern=config.queue_pattern).workers if w.state == "serving"]
+        workers = read_fleet(r, k, queue_pattern=config.queue_pattern).workers
+        serving = [w for w in workers if w.state is WorkerState.SERVING]
         if not serving:
             print("supervisor: no serving worker to canary; name one: --canary QUEUE", file=sys.stderr)
             return 1

@@ -25,19 +25,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from batchfleet.config import STRATEGIES
-from batchfleet.records import ServerFacts, ServerSpec, WorkerStatus
+from batchfleet.records import STRATEGIES, ServerFacts, ServerSpec, Strategy, WorkerState, WorkerStatus
 
 __all__ = ["LADDER", "SLOTS_PER_REQUEST", "LadderConfig", "Prediction", "Proposal", "current_spec", "next_rung",
            "predict_capacity", "spec_key"]
 
-SLOTS_PER_REQUEST = {"default": 5, "extra_buffer": 5, "extra_buffer_lazy": 4, "no_buffer": 3, "no_radix": 1}
-LADDER = ("default", "no_buffer", "no_radix")  # the rungs the autopilot climbs, cheapest change first
+SLOTS_PER_REQUEST = {Strategy.DEFAULT: 5, Strategy.EXTRA_BUFFER: 5, Strategy.EXTRA_BUFFER_LAZY: 4,
+                     Strategy.NO_BUFFER: 3, Strategy.NO_RADIX: 1}
+# The rungs the autopilot climbs, cheapest change first.
+LADDER = (Strategy.DEFAULT, Strategy.NO_BUFFER, Strategy.NO_RADIX)
 
 
 @dataclass(frozen=True, slots=True)
 class LadderConfig:
-    forbid: frozenset[str] = frozenset()  # strategies this workload must not run (CLI --forbid, --keep-prefix-cache)
+    forbid: frozenset[Strategy] = frozenset()  # strategies this workload must not run (--forbid, --keep-prefix-cache)
     mem_fraction_static: float | None = 0.90  # raised together with the first rung up; None: leave it
     max_running_requests: int | None = 128  # a ceiling that should not bind; None: leave it
     max_cache_hit_rate: float = 0.10  # radix off only when prefix caching saves less than this share
@@ -46,6 +47,7 @@ class LadderConfig:
         unknown = set(self.forbid) - set(STRATEGIES)
         if unknown:
             raise ValueError(f"cannot forbid unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
+        object.__setattr__(self, "forbid", frozenset(Strategy(s) for s in self.forbid))  # members, given strings
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +76,7 @@ def predict_capacity(facts: ServerFacts | None, current: ServerSpec, target: Ser
                f"{facts.memory_before_load_gb:.1f} GB)")
     elif mf_new is not None and mf_new != mf_now:
         how += " (the memory fraction's gain is not predicted: no memory figures)"
-    if target.strategy == "no_radix":
+    if target.strategy is Strategy.NO_RADIX:
         # Radix off: the pool is sized to --max-running-requests when given, one slot per request.
         new_pool = target.max_running_requests or int((pool + 1) * scale - 1)
     else:
@@ -123,7 +125,7 @@ def next_rung(current: ServerSpec, cfg: LadderConfig, *, failed: Mapping[str, st
         if strategy in cfg.forbid:
             why_not.append(f"{strategy} is forbidden for this workload")
             continue
-        if strategy == "no_radix":
+        if strategy is Strategy.NO_RADIX:
             if cache_hit_rate is None:
                 why_not.append("no_radix needs a measured cache hit rate")
                 continue
@@ -151,7 +153,7 @@ def current_spec(fleet: ServerSpec | None, workers: Iterable[WorkerStatus]) -> S
     their configuration, generation 0), read back from their server flags."""
     if fleet is not None:
         return fleet
-    ws = [w for w in workers if w.state == "serving"] or list(workers)
+    ws = [w for w in workers if w.state is WorkerState.SERVING] or list(workers)
     if not ws:
         return ServerSpec()
     strategies = [w.strategy for w in ws]

@@ -12,14 +12,14 @@ import orjson
 import redis
 
 from batchfleet.keys import Keys
-from batchfleet.records import Event
+from batchfleet.records import Event, EventKind
 
 from .fleet import read_events
 
 __all__ = ["Summary", "load", "plot", "summarize"]
 
-MARKED = {"decision": "tab:orange", "canary": "tab:green", "rollback": "tab:red", "rolled_out": "tab:blue",
-          "verified": "tab:purple", "manual": "tab:brown"}
+MARKED = {EventKind.DECISION: "tab:orange", EventKind.CANARY: "tab:green", EventKind.ROLLBACK: "tab:red",
+          EventKind.ROLLED_OUT: "tab:blue", EventKind.VERIFIED: "tab:purple", EventKind.MANUAL: "tab:brown"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +54,9 @@ def load(r: redis.Redis, k: Keys) -> tuple[list[dict[str, Any]], list[Event]]:
 
 
 def summarize(samples: list[dict[str, Any]], events: list[Event]) -> Summary:
-    restarted = [e for e in events if e.kind == "restarted"]
-    verified = [e for e in events if e.kind == "verified"]
-    decision = next((e for e in events if e.kind == "decision" and "decide_s" in e.data), None)
+    restarted = [e for e in events if e.kind is EventKind.RESTARTED]
+    verified = [e for e in events if e.kind is EventKind.VERIFIED]
+    decision = next((e for e in events if e.kind is EventKind.DECISION and "decide_s" in e.data), None)
     span = samples[-1]["ts"] - samples[0]["ts"] if len(samples) > 1 else 0.0
     return Summary(
         samples=len(samples), span_s=span, restarts=len(restarted),
@@ -93,7 +93,7 @@ def plot(samples: list[dict[str, Any]], events: list[Event], out: Path, *, title
         x = e.ts - t0
         if not 0 <= x <= ts[-1]:
             continue
-        if e.kind == "restarted":
+        if e.kind is EventKind.RESTARTED:
             bottom.axvline(x, color="grey", ls=":", lw=0.8)
         elif e.kind in MARKED:
             for ax in (top, bottom):

@@ -19,7 +19,7 @@ import redis
 from batchfleet import keys
 from batchfleet.config import DEFAULT_QUEUE_PATTERN
 from batchfleet.keys import Keys
-from batchfleet.records import Event, RecordError, ServerSpec
+from batchfleet.records import Event, EventKind, RecordError, ServerSpec
 
 from .autopilot import Action, Autopilot, Control, DropFields, Emit, SetFleet, SetOverride, Settings, State
 from .classify import Thresholds, WindowReport, classify_window
@@ -201,7 +201,7 @@ def manual_restart(r: redis.Redis, k: Keys, spec: ServerSpec, *, canary: str | N
     else:
         apply(r, k, [SetFleet(spec)], say=lambda _: None)
         what = f"operator: fleet -> {spec.describe()} (generation {spec.generation})"
-    log_event(r, k, Event(kind="manual", message=what, source="supervisor",
+    log_event(r, k, Event(kind=EventKind.MANUAL, message=what, source="supervisor",
                           data={"spec": orjson.loads(spec.to_json()), "canary": canary,
                                 "previous": control.current.describe()}))
     return spec

@@ -44,7 +44,7 @@ import pytest
 import redis
 
 from batchfleet.keys import Keys
-from batchfleet.records import Event, RecordError, WorkerStatus
+from batchfleet.records import Event, RecordError, WorkerState, WorkerStatus
 
 from .conftest import RedisServer
 
@@ -276,7 +276,7 @@ class Lan:
 
     def serving(self) -> dict[str, WorkerStatus]:
         """queue -> status of the workers serving now."""
-        return {s.queue: s for s in self.statuses() if s.state == "serving"}
+        return {s.queue: s for s in self.statuses() if s.state is WorkerState.SERVING}
 
     def events(self) -> list[Event]:
         return [Event.from_json(f[b"e"]) for _, f in self.r.xrange(self.k.events)]

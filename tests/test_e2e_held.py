@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from batchfleet.keys import Keys
+from batchfleet.records import WorkerState
 from bench.bench_seed import SupervisorProc, exactly_once
 
 from .fleet import Fleet, expected_text, text_of, write_prompts
@@ -162,7 +163,7 @@ def test_supervisor_kill_9_mid_rollout_then_restarted(tmp_path: Path, redis_url:
         second = SupervisorProc(fleet, *FAST, "--keep-prefix-cache")
         # One spec for the whole fleet again: the rollout finished (or was rolled back) by the new process.
         fleet.wait_for(lambda: len({(s.strategy, s.state) for s in fleet.statuses()}) == 1
-                       and {s.state for s in fleet.statuses()} == {"serving"}
+                       and {s.state for s in fleet.statuses()} == {WorkerState.SERVING}
                        and fleet.r.hkeys(fleet.k.control) == [b"fleet"], 180, "one spec across the fleet")
         settled_s = time.monotonic() - killed_at
         strategies = {s.strategy for s in fleet.statuses()}

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from batchfleet.keys import Keys
+from batchfleet.records import WorkerState
 
 from .fleet import BIN, Fleet, expected_text, text_of, write_prompts
 
@@ -136,7 +137,7 @@ def test_server_that_cannot_start_is_reported_and_takes_no_work(tmp_path, redis_
     write_prompts(tmp_path / "prompts.jsonl", 10)
     fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     fleet.start_worker(0)
-    fleet.wait_for(lambda: any(s.state == "down" for s in fleet.statuses()), 30, "the worker to report down")
+    fleet.wait_for(lambda: any(s.state is WorkerState.DOWN for s in fleet.statuses()), 30, "the worker to report down")
     (status,) = fleet.statuses()
     assert "CUDA out of memory" in status.message
     assert fleet.r.llen(Keys.queue(fleet.queue(0))) == 10  # no prompt was taken

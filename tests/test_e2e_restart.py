@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from batchfleet.keys import Keys
-from batchfleet.records import Event, ServerSpec
+from batchfleet.records import Event, ServerSpec, WorkerState
 
 from .fleet import Fleet, expected_text, text_of, write_prompts
 
@@ -19,13 +19,14 @@ def test_worker_follows_a_new_server_spec_without_losing_prompts(tmp_path, redis
     rows = write_prompts(tmp_path / "prompts.jsonl", 200, max_tokens=64)
     fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     fleet.start_worker(0)
-    fleet.wait_for(lambda: any(s.state == "serving" and s.in_flight > 0 for s in fleet.statuses()), 60, "serving")
+    fleet.wait_for(lambda: any(s.state is WorkerState.SERVING and s.in_flight > 0 for s in fleet.statuses()), 60,
+                   "serving")
     (before,) = fleet.statuses()
     assert before.effective_max == 12 and before.strategy == "default"
 
     spec = ServerSpec(generation=1, strategy="no_buffer", max_running_requests=64)
     fleet.r.hset(fleet.k.control, Keys.CONTROL_FLEET, spec.to_json())
-    fleet.wait_for(lambda: any(s.generation == 1 and s.state == "serving" for s in fleet.statuses()), 60,
+    fleet.wait_for(lambda: any(s.generation == 1 and s.state is WorkerState.SERVING for s in fleet.statuses()), 60,
                    "the new generation to serve")
     (after,) = fleet.statuses()
     assert after.effective_max == 20 and after.strategy == "no_buffer"

@@ -18,6 +18,8 @@ import orjson
 import pytest
 import redis
 
+from batchfleet.records import WorkerState
+
 from .conftest import RedisServer
 from .fleet import BIN, Fleet, write_prompts
 
@@ -108,7 +110,7 @@ def test_a_fleet_with_an_api_key_and_a_redis_password_writes_neither_anywhere(tm
     for gpu in (0, 1):
         fleet.start_worker(gpu)
     fleet.wait_for(lambda: fleet.finished() >= len(rows), 120, "every prompt")
-    fleet.wait_for(lambda: len(fleet.statuses()) == 2 and all(s.state == "serving" for s in fleet.statuses()),
+    fleet.wait_for(lambda: len(fleet.statuses()) == 2 and all(s.state is WorkerState.SERVING for s in fleet.statuses()),
                    30, "both workers serving")
 
     status = orjson.loads(cli("producer", "status", "--json", env={"REDIS_URL": as_userinfo}))
@@ -215,7 +217,7 @@ def test_a_full_run_where_each_role_is_its_own_acl_user(tmp_path, cleanup):
     # The supervisor changes one GPU's spec (its user may write the control hash); the worker follows.
     cli("supervisor", "supervisor", "restart", "--strategy", "default", "--mem-fraction-static", "0.8",
         "--canary", fleet.queue(0))
-    fleet.wait_for(lambda: any(s.queue == fleet.queue(0) and s.generation == 1 and s.state == "serving"
+    fleet.wait_for(lambda: any(s.queue == fleet.queue(0) and s.generation == 1 and s.state is WorkerState.SERVING
                                for s in fleet.statuses()), 60, "gpu0 restarted on generation 1")
     snap = orjson.loads(cli("viewer", "supervisor", "status", "--json"))
     assert {w["queue"] for w in snap["workers"]} == {fleet.queue(0), fleet.queue(1)}

@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from batchfleet.keys import Keys
-from batchfleet.records import job_id_for
+from batchfleet.records import WorkerState, job_id_for
 
 from .fleet import BIN, Fleet, expected_text, text_of, write_prompts
 
@@ -90,7 +90,7 @@ def test_a_poison_prompt_is_quarantined_after_three_server_deaths_and_no_bystand
     marks["all_done"] = (time.monotonic() - t0, n + more)
     statuses = fleet.statuses()
     assert fleet.stop_all() == {g: 0 for g in range(gpus)}
-    assert len(statuses) == gpus and all(w.state == "serving" and w.effective_max == 12 for w in statuses)
+    assert len(statuses) == gpus and all(w.state is WorkerState.SERVING and w.effective_max == 12 for w in statuses)
 
     stats = fleet.stats()
     deaths = sum(server_log(fleet, g).count("an illegal memory access was encountered") for g in range(gpus))
@@ -140,7 +140,8 @@ def test_a_second_worker_for_the_same_gpu_refuses_to_start_and_the_lock_dies_wit
     rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=64)
     fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     first = fleet.start_worker(0)
-    fleet.wait_for(lambda: any(s.state == "serving" and s.in_flight > 0 for s in fleet.statuses()), 60, "serving")
+    fleet.wait_for(lambda: any(s.state is WorkerState.SERVING and s.in_flight > 0 for s in fleet.statuses()), 60,
+                   "serving")
     server_pid = fleet.sim_record(0)["pid"]
 
     second = subprocess.run([str(BIN / "rq"), "worker", fleet.queue(0)], env=fleet.env, cwd=tmp_path,
@@ -176,7 +177,7 @@ def test_a_stale_pid_file_leads_to_a_kill_only_when_it_is_verifiably_our_old_ser
                         "cmdline": [sys.executable, "-m", "sglang_sim"]}, stranger.pid):
             pid_path.write_bytes(orjson.dumps(record))
             proc = fleet.start_worker(0)
-            fleet.wait_for(lambda: any(s.state == "serving" for s in fleet.statuses()), 60, "serving")
+            fleet.wait_for(lambda: any(s.state is WorkerState.SERVING for s in fleet.statuses()), 60, "serving")
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(30) == 0
             assert stranger.poll() is None, "a process that merely reuses the pid was killed"
@@ -296,8 +297,8 @@ def test_a_bad_control_record_stops_no_worker_now_or_after_a_restart(tmp_path, f
     fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     for g in range(gpus):
         fleet.start_worker(g)
-    fleet.wait_for(lambda: sum(s.state == "serving" and s.in_flight > 0 for s in fleet.statuses()) == gpus, 60,
-                   "every worker serving")
+    fleet.wait_for(lambda: sum(s.state is WorkerState.SERVING and s.in_flight > 0 for s in fleet.statuses()) == gpus,
+                   60, "every worker serving")
     # A field from a newer version: ignored with one warning; same generation, so nothing restarts.
     fleet.r.hset(fleet.k.control, Keys.CONTROL_FLEET, orjson.dumps({"generation": 0, "strategy": "default",
                                                                     "added_by_a_newer_version": {"x": 1}}))
@@ -312,7 +313,7 @@ def test_a_bad_control_record_stops_no_worker_now_or_after_a_restart(tmp_path, f
     fleet.wait_for(lambda: len(fleet.statuses()) == gpus and all(s.ts > refused_at + 3 for s in fleet.statuses()),
                    30, "a few more seconds of every worker's life")
     assert len(fleet.events("spec_refused")) == gpus
-    assert all(s.state == "serving" and s.generation == 0 for s in fleet.statuses())
+    assert all(s.state is WorkerState.SERVING and s.generation == 0 for s in fleet.statuses())
     assert all(fleet.worker_log(g).count("added_by_a_newer_version") == 1 for g in range(gpus))
     fleet.wait_for(lambda: fleet.finished() >= n, 120, "every prompt of the first batch")
 

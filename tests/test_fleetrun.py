@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from batchfleet.keys import RQ_QUEUES, Keys
-from batchfleet.records import Event
+from batchfleet.records import Event, WorkerState
 from producer.store import Store
 
 from .fleet import ROOT, expected_text, free_port_block, text_of, write_prompts
@@ -200,7 +200,7 @@ def test_a_server_that_cannot_start_shows_with_its_reason_and_no_traceback(tmp_p
         write_prompts(tmp_path / "prompts.jsonl", 2)
         fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
         fleet.start_worker(0)
-        fleet.wait_for(lambda: any(s.state == "down" for s in fleet.statuses()), 60, "a DOWN status record")
+        fleet.wait_for(lambda: any(s.state is WorkerState.DOWN for s in fleet.statuses()), 60, "a DOWN status record")
         status = fleet.producer("status").stdout
         assert re.search(r"worker \S+ \(queue down\.gpu0\): server DOWN: could not run \S*no-such-python", status), \
             status

@@ -1,19 +1,25 @@
-"""Records read from Redis are data: unknown fields are ignored (one warning), bad values refused."""
+"""Records read from Redis are data: unknown fields are ignored (one warning), an enum value this
+version does not know reads as UNKNOWN (one warning), bad values refused."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import orjson
 import pytest
 
 from batchfleet.records import (
+    CapCause,
     Event,
+    EventKind,
     Prompt,
     RecordError,
     Result,
+    ServerFacts,
     ServerMetrics,
     ServerSpec,
+    Strategy,
     WorkerState,
     WorkerStatus,
 )
@@ -43,7 +49,7 @@ def test_a_newer_versions_fields_are_ignored_with_one_warning(caplog):
     (ServerSpec, b'{"generation": -1}', "negative"),
     (ServerSpec, b'[1, 2]', "not a JSON object"),
     (ServerSpec, b'{"strat', "not JSON"),
-    (WorkerStatus, b'{"worker": "w", "host": "h", "queue": "q", "gpu": 0, "state": "dancing"}', "WorkerStatus.state"),
+    (WorkerStatus, b'{"worker": "w", "host": "h", "queue": "q", "gpu": 0, "state": 3}', "WorkerStatus.state"),
     (WorkerStatus, b'{"worker": "w", "host": "h", "queue": "q", "gpu": 0}', "state"),
     (WorkerStatus, b'{"worker": "w", "host": "h", "queue": "q", "gpu": 0, "state": "down", "metrics": 3}',
      "WorkerStatus.metrics"),
@@ -114,3 +120,52 @@ def test_an_http_error_is_exported_as_its_answer_and_only_no_answer_as_an_error(
     line = result.batch_output_line()
     assert line == {"id": "batch_req_j", "custom_id": "c", "response": response, "error": error}
     _openai_shaped(orjson.loads(orjson.dumps(line)))
+
+
+def test_a_worker_hibernating_in_a_newer_version_decodes_with_its_capacity_kept():
+    """A rolling upgrade: a newer worker publishes a state this version does not know. Its record is
+    kept (its queue, its capacity), and the state reads as UNKNOWN (the warning: the next test)."""
+    ws = WorkerStatus(worker="w", host="h", queue="gpu3", gpu=3, state=WorkerState.SERVING, effective_max=12,
+                      slots=14, surplus=2, in_flight=9, tokens_per_s=250.0, strategy=Strategy.NO_BUFFER,
+                      facts=ServerFacts(effective_max_running=12, cap_cause=CapCause.MAMBA))
+    d = orjson.loads(ws.to_json())
+    d["state"] = "hibernating"
+    back = WorkerStatus.from_json(orjson.dumps(d))
+    assert back.state is WorkerState.UNKNOWN
+    assert replace(back, state=WorkerState.SERVING) == ws  # everything else as written
+    assert (back.queue, back.effective_max, back.slots) == ("gpu3", 12, 14)
+
+
+def test_unknown_enum_values_read_as_unknown_with_one_warning_per_type_and_value(caplog):
+    status = {"worker": "w", "host": "h", "queue": "q", "gpu": 0, "state": "serving", "effective_max": 7}
+    caplog.set_level(logging.WARNING, logger="batchfleet.records")
+    for _ in range(2):
+        a = WorkerStatus.from_json(orjson.dumps({**status, "strategy": "quantum_buffer",
+                                                 "facts": {"effective_max_running": 7, "cap_cause": "pipeline"}}))
+        b = WorkerStatus.from_json(orjson.dumps({**status, "strategy": "quantum_buffer_lazy"}))
+        e = Event.from_json(orjson.dumps({"kind": "hibernated", "message": "gpu0 sleeps", "data": {"n": 1}}))
+    assert a.strategy is Strategy.UNKNOWN and b.strategy is Strategy.UNKNOWN and a.effective_max == 7
+    assert a.facts is not None and a.facts.cap_cause is CapCause.UNKNOWN and a.facts.effective_max_running == 7
+    assert e.kind is EventKind.UNKNOWN and e.message == "gpu0 sleeps" and e.data == {"n": 1}
+    said = [r.getMessage() for r in caplog.records]
+    assert [sum(f"{v!r}" in m for m in said) for v in ("quantum_buffer", "quantum_buffer_lazy", "pipeline",
+                                                       "hibernated")] == [1, 1, 1, 1], said
+    # What travels stays the same string.
+    assert orjson.loads(a.to_json())["state"] == "serving" and orjson.loads(e.to_json())["kind"] == "unknown"
+
+
+def test_a_spec_naming_a_strategy_this_version_does_not_know_is_refused_not_run_as_unknown():
+    for value in ("quantum_buffer", "unknown"):
+        with pytest.raises(RecordError, match="strategy"):
+            ServerSpec.from_json(orjson.dumps({"generation": 3, "strategy": value}))
+
+
+def test_records_built_here_hold_enum_members_not_strings():
+    ws = WorkerStatus(worker="w", host="h", queue="q", gpu=0, state="serving", strategy="no_radix",  # type: ignore[arg-type]
+                      facts=ServerFacts(cap_cause="kv"))  # type: ignore[arg-type]
+    assert ws.state is WorkerState.SERVING and ws.strategy is Strategy.NO_RADIX
+    assert ws.facts is not None and ws.facts.cap_cause is CapCause.KV
+    assert ServerSpec(strategy="no_buffer").strategy is Strategy.NO_BUFFER  # type: ignore[arg-type]
+    assert Event(kind="manual", message="m").kind is EventKind.MANUAL  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        WorkerStatus(worker="w", host="h", queue="q", gpu=0, state="dancing")  # type: ignore[arg-type]

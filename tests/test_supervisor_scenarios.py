@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from batchfleet.keys import Keys
-from batchfleet.records import ServerSpec
+from batchfleet.records import ServerSpec, WorkerState
 from bench.bench_seed import SupervisorProc, exactly_once, run_seed, seed_env, write_seed_prompts
 from supervisor.fleet import read_fleet
 
@@ -172,7 +172,7 @@ def test_a_canary_that_does_not_gain_is_rolled_back_and_backs_off(tmp_path, redi
         assert "did not gain" in rollback.message and rollback.data["measured_ratio"] < 1
         assert rollback.data["verdict"] == "failed" and "may be retried after" in rollback.message
         queue = rollback.data["canary"]
-        fleet.wait_for(lambda: any(s.queue == queue and s.state == "serving" and s.generation == 2
+        fleet.wait_for(lambda: any(s.queue == queue and s.state is WorkerState.SERVING and s.generation == 2
                                    for s in fleet.statuses()), 60, "the canary back on its old spec")
         # Stalled again, but the change that failed is in back-off (600 s by default): not tried again now.
         fleet.wait_for(lambda: any("did not gain" in e.message and "retry after" in e.message

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from batchfleet import keys
 from batchfleet.keys import Keys
-from batchfleet.records import Event
+from batchfleet.records import Event, EventKind
 
 from .redislink import LINK
 
@@ -28,7 +28,7 @@ class EventLog:
         self.clock = clock
         self.scrub = scrub  # an event's text may quote an error: never a secret in it
 
-    async def emit(self, kind: str, message: str, **data: object) -> None:
+    async def emit(self, kind: EventKind, message: str, **data: object) -> None:
         """Log it, and record it in Redis when Redis answers (an outage costs the record, not the worker)."""
         data.pop("since", None)
         message = self.scrub(message)

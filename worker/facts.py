@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from batchfleet.records import CAP_KV, CAP_MAMBA, CAP_REQUESTED, ServerFacts
+from batchfleet.records import CapCause, ServerFacts
 
 __all__ = ["read_facts", "slots_per_request"]
 
@@ -89,15 +89,15 @@ def read_facts(info: dict[str, Any], log_text: str, *, effective: int) -> Server
     # The log line is definitive. Without it, a cap equal to what was asked is the request's (with the
     # radix cache off the pool is sized to the request, so pool // 1 equals it too).
     if capped:
-        cause = CAP_MAMBA
+        cause = CapCause.MAMBA
     elif requested is not None and requested == effective:
-        cause = CAP_REQUESTED
+        cause = CapCause.REQUESTED
     elif pool and ratio and pool // ratio == effective:
-        cause = CAP_MAMBA
+        cause = CapCause.MAMBA
     elif tokens and tokens // 2 == effective:
-        cause = CAP_KV
+        cause = CapCause.KV
     else:
-        cause = ""
+        cause = CapCause.UNKNOWN
     version = info.get("version")
     return ServerFacts(
         effective_max_running=effective, requested_max_running=requested, cap_cause=cause,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from batchfleet.config import Config
 from batchfleet.errors import ConfigError, ServerStartError
+from batchfleet.records import Strategy
 
 __all__ = ["ServerCLI", "build_argv", "read_server_cli"]
 
@@ -56,28 +57,29 @@ def read_server_cli(cmd: list[str], *, timeout_s: float = 300.0) -> ServerCLI:
     return ServerCLI.from_help(text)
 
 
-def strategy_flags(strategy: str, cli: ServerCLI) -> list[str]:
+def strategy_flags(strategy: Strategy | str, cli: ServerCLI) -> list[str]:
     """Flags for one rung of the strategy ladder on this server; ConfigError when it cannot do it."""
-    if strategy == "default":
+    strategy = Strategy(strategy)
+    if strategy is Strategy.DEFAULT:
         return []  # the server's own `auto`
-    if strategy == "no_radix":
+    if strategy is Strategy.NO_RADIX:
         if not cli.knows("--disable-radix-cache"):
             raise ConfigError("this server has no --disable-radix-cache")
         return ["--disable-radix-cache"]
     if cli.accepts(NEW_STRATEGY_FLAG, strategy):
-        out = [NEW_STRATEGY_FLAG, strategy]
+        out = [NEW_STRATEGY_FLAG, strategy.value]
         # 0.5.23 refuses an explicit no_buffer while the overlap scheduler is on (`auto` would turn
         # it off by itself); releases with the new spelling are the ones that validate this.
-        if strategy == "no_buffer" and cli.knows("--disable-overlap-schedule"):
+        if strategy is Strategy.NO_BUFFER and cli.knows("--disable-overlap-schedule"):
             out.append("--disable-overlap-schedule")
         return out
     if cli.accepts(OLD_STRATEGY_FLAG, strategy):
-        return [OLD_STRATEGY_FLAG, strategy]
-    raise ConfigError(f"this server accepts no mamba strategy {strategy!r} (neither {NEW_STRATEGY_FLAG} "
+        return [OLD_STRATEGY_FLAG, strategy.value]
+    raise ConfigError(f"this server accepts no mamba strategy {strategy.value!r} (neither {NEW_STRATEGY_FLAG} "
                       f"nor {OLD_STRATEGY_FLAG} lists it)")
 
 
-def build_argv(config: Config, cli: ServerCLI, *, port: int, strategy: str | None = None,
+def build_argv(config: Config, cli: ServerCLI, *, port: int, strategy: Strategy | str | None = None,
                mem_fraction_static: float | None = None, max_running_requests: int | None = None) -> list[str]:
     """The full command line of one server. Explicit arguments override the configuration (the
     supervisor's restarts use them); every generated flag is checked against `cli`."""

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from batchfleet.config import Config
 from batchfleet.keys import Keys
-from batchfleet.records import RecordError, ServerSpec
+from batchfleet.records import EventKind, RecordError, ServerSpec
 
 from .events import EventLog
 from .redislink import LINK
@@ -57,7 +57,7 @@ class SpecFollower:
                 kept = self._kept()
                 if raw != self._refused:
                     self._refused = raw
-                    await self.events.emit("spec_refused", f"gpu{self.gpu}: refused the {field} server spec in "
+                    await self.events.emit(EventKind.SPEC_REFUSED, f"gpu{self.gpu}: refused the {field} server spec in "
                                            f"Redis: {exc}; keeping {kept.describe()}", reason=str(exc))
                 return kept
         return self.configured()

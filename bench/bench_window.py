@@ -49,7 +49,7 @@ async def dispatch(url: str, config: Config, queues: list[str], capacity: int, s
     ledger = Ledger(client, Keys(config.run), worker="bench", lease_ttl_s=config.lease_ttl_s)
     d = Dispatcher(ledger, instant_backend, config=config, worker="bench", queues=lambda: queues)
     await d.slots.resize(capacity)
-    d.accepting.set()
+    d.resume()
     flusher = asyncio.create_task(ledger.run_flusher())
     runner = asyncio.create_task(d.run())
     while True:

@@ -70,7 +70,7 @@ def run_burst(redis_url: str, backend: Backend, capacity: int, **config) -> Disp
         d.retry_sleep = no_sleep
         d.sleeps = sleeps  # type: ignore[attr-defined]
         await d.slots.resize(capacity)
-        d.accepting.set()
+        d.resume()
         flusher = asyncio.create_task(ledger.run_flusher())
         await d.run(burst=True)
         await d.drain(5)
@@ -186,7 +186,7 @@ def test_a_server_death_strikes_only_the_prompts_inside_it(r, redis_url):
 
         d.retry_sleep = parked
         await d.slots.resize(4)
-        d.accepting.set()
+        d.resume()
         claiming = asyncio.create_task(d.run())
         while len(backend.started) < 4:
             await asyncio.sleep(0.01)
@@ -253,7 +253,7 @@ def test_a_server_death_collects_a_prompt_whose_cancellation_was_swallowed(r, re
         d = Dispatcher(ledger, backend, config=Config(run="t"), worker="w", queues=lambda: ["gpu0"],
                        server_ok=lambda: up)
         await d.slots.resize(2)
-        d.accepting.set()
+        d.resume()
         claiming = asyncio.create_task(d.run())
         while len(backend.started) < 2:
             await asyncio.sleep(0.01)
@@ -300,7 +300,7 @@ def test_a_drain_waits_for_a_slow_hand_back_and_counts_it(r, redis_url, caplog):
         backend = Forever()
         d = Dispatcher(ledger, backend, config=Config(run="t"), worker="w", queues=lambda: ["gpu0"])
         await d.slots.resize(3)
-        d.accepting.set()
+        d.resume()
         claiming = asyncio.create_task(d.run())
         while backend.started < 3:
             await asyncio.sleep(0.01)
@@ -344,3 +344,70 @@ def test_a_failed_prompts_result_keeps_the_servers_error_body_and_echoes_the_pro
     assert (got["c1"].status_code, got["c1"].body) == (400, {"object": "error", "message": "too long"})
     assert (got["c2"].status_code, got["c2"].body, got["c2"].error["code"]) == (503, {"error": {"message": "full"}},
                                                                                  "retries_exhausted")
+
+
+def test_a_resume_while_a_drain_is_under_way_claims_nothing_until_the_drain_is_over(r, redis_url):
+    """A worker told to stop drains while its keeper, finishing a server start, resumes the dispatcher.
+    A prompt claimed then is not the drain's: it is neither waited for nor handed back, and runs into
+    a server about to stop. The drain holds the claims whatever resumes meanwhile."""
+    enqueue(r, 6)
+    k = Keys("t")
+
+    async def go() -> tuple[list[str], list[str], int, Dispatcher]:
+        client = aioredis.from_url(redis_url)
+        ledger = Ledger(client, k, worker="w", lease_ttl_s=15)
+        finish = asyncio.Event()
+        started: list[str] = []
+
+        async def backend(prompt: Prompt) -> dict:
+            started.append(prompt.cid)
+            await finish.wait()
+            return {"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}}
+
+        d = Dispatcher(ledger, backend, config=Config(run="t"), worker="w", queues=lambda: ["gpu0"])
+        claimed: list[int] = []
+        real_claim = ledger.claim
+
+        async def claim(n: int, queues: list[str], **kw: bool) -> list:
+            claimed.append(n)
+            return await real_claim(n, queues, **kw)
+
+        ledger.claim = claim  # type: ignore[method-assign]
+        freed = asyncio.Event()  # the claim loop got a free slot after the in-flight prompts finished
+        real_acquire = d.slots.acquire_up_to
+
+        async def acquire_up_to(n: int) -> int:
+            took = await real_acquire(n)
+            if finish.is_set():
+                freed.set()
+            return took
+
+        d.slots.acquire_up_to = acquire_up_to  # type: ignore[method-assign]
+        await d.slots.resize(2)
+        d.resume()
+        flusher = asyncio.create_task(ledger.run_flusher())
+        claiming = asyncio.create_task(d.run())
+        while len(started) < 2:
+            await asyncio.sleep(0.01)
+        claims_before = len(claimed)
+        draining = asyncio.create_task(d.drain(30))
+        await asyncio.sleep(0)  # the drain has begun: it waits for the two in flight
+        d.resume()  # the keeper's server start, finishing
+        finish.set()
+        await freed.wait()  # the claim loop has had its free slots (and, if it claims, has asked Redis)
+        during = claimed[claims_before:]
+        handed = await draining
+        started_by_the_drains_end = list(started)
+        d.pause()
+        while not claiming.done():  # redis-py may swallow a cancel that lands inside a claim
+            claiming.cancel()
+            await asyncio.wait({claiming}, timeout=1)
+        await d.drain(5)
+        ledger.close()
+        await flusher
+        await client.aclose()
+        return during, started_by_the_drains_end, handed, d
+
+    during, started, handed, d = asyncio.run(asyncio.wait_for(go(), 60))
+    assert during == [] and started == ["c0", "c1"]
+    assert handed == 0 and d.done >= 2

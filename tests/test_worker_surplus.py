@@ -103,7 +103,7 @@ def test_a_drain_hands_the_surplus_back_untouched_and_lets_the_running_finish(r,
         d = Dispatcher(ledger, server, config=Config(run="t", surplus=2), worker="w", queues=lambda: ["gpu0"])
         await d.set_capacity(4)
         assert (d.capacity, d.surplus, d.slots.capacity) == (4, 2, 6)
-        d.accepting.set()
+        d.resume()
         flusher = asyncio.create_task(ledger.run_flusher())
         claiming = asyncio.create_task(d.run())
         while server.inside < 6:

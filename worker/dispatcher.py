@@ -12,15 +12,20 @@ the prompt once with the server's reason; RetryableError retries with capped exp
 foreign function, a forged or malformed prompt, another run's job): RQ's failed registry, no result.
 
 If the server itself dies, no task hands its prompt back on its own: a task whose request broke
-says so (`trouble`), and waits. The server's keeper confirms the death and calls `server_lost`,
+says so (mode TROUBLE), and waits. The server's keeper confirms the death and calls `server_lost`,
 which collects every task at once and gives a strike to each prompt that was INSIDE the server
 (its request was sent and not answered), atomically in Redis (see `ledger`). The claim loop does
 not claim while the server is down, so nothing cycles claim -> fail -> hand back.
 
 A cancelled run (`producer cancel`; the lease keeper sees its flag) is claimed from no more: its
-in-flight prompts are dropped (`drop_cancelled`: requests cancelled, leases released, nothing
-published). A trimmed failed job (its prompt only in the store) that `rq requeue` brought back is
-handed to the head, which feeds the prompt again.
+in-flight prompts are dropped (`cancel`: requests cancelled, leases released, nothing published).
+A trimmed failed job (its prompt only in the store) that `rq requeue` brought back is handed to the
+head, which feeds the prompt again.
+
+The dispatcher's `Mode` says what holds the claim loop back, and only its own methods change it:
+`pause`/`resume` (the keeper, around the server's life; the service, when it stops), `drain`,
+`cancel`/`uncancel` (the run's flag), `server_checked` (the keeper, after TROUBLE). Each claimed
+prompt's `FlightState` says where its request is and who ends it.
 
 A claimed job is NORMAL (runs beside anything), a SUSPECT (one strike: at most one per worker at a
 time) or SOLO (two strikes: the claim loop stops, the other prompts finish, it runs alone, then the
@@ -36,13 +41,14 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from enum import Enum, Flag
 from typing import Any, Protocol
 
 import httpx
 import redis
 
 from batchfleet.config import Config
-from batchfleet.errors import JobRefused, PromptError, RecordError, RetryableError
+from batchfleet.errors import ErrorCode, JobRefused, PromptError, RecordError, RetryableError
 from batchfleet.http1 import ConnectFailed
 from batchfleet.jobs import ALLOWED
 from batchfleet.keys import TRIMMED
@@ -54,7 +60,7 @@ from .ledger import MAX_STRIKES, Claim, ClaimKind, DeathOutcome, Ledger, parse_j
 from .redislink import LINK
 from .slots import Slots, Turnover, surplus_cap
 
-__all__ = ["Backend", "Dispatcher", "Flight"]
+__all__ = ["Backend", "Dispatcher", "Flight", "FlightState", "Mode"]
 
 log = logging.getLogger("batchfleet.worker.dispatcher")
 
@@ -76,6 +82,86 @@ class Backend(Protocol):
     async def __call__(self, prompt: Prompt) -> dict[str, Any]: ...
 
 
+class Mode(Flag):
+    """What holds the claim loop back; RUNNING (none of it): it claims. The parts have their own
+    causes and ends, so several can hold at once (a cancelled run whose server restarts is
+    PAUSED | CANCELLED). Changed only by the dispatcher's methods."""
+
+    RUNNING = 0
+    # The server does not serve (not started yet, dead, restarting) or the worker stops: no claims,
+    # prompts waiting to retry wait too. `pause`, `server_lost`, `drain`; ended by `resume`.
+    PAUSED = 1
+    # A request got no answer: is the server still there? No claims until the keeper has looked
+    # (`server_checked`, or `resume` after a restart), so a dead server does not swallow a stream of
+    # new claims. Set by the dispatcher itself.
+    TROUBLE = 2
+    # A drain is under way (with PAUSED): prompts waiting to retry go back at once. `drain`.
+    DRAINING = 4
+    # The run was cancelled: claim nothing of it. `cancel`; ended by `uncancel` (its flag went away).
+    CANCELLED = 8
+
+
+class FlightState(Enum):
+    """Where a claimed prompt's request stands, and who ends the prompt. Its task holds it while it is
+    OUTSIDE or INSIDE (a cancel hands it back); `server_lost` takes it over (COLLECTED...: struck if
+    inside, else handed back); a lapsed lease or a cancelled run drops it (LOST); its outcome, or its
+    hand back, ends it (SETTLED). Each transition is a method; one that does not apply keeps the state.
+
+        OUTSIDE ──sent──▶ INSIDE ──answered──▶ OUTSIDE          (its task holds it)
+           │collected        │collected
+           ▼                 ▼
+        COLLECTED ──sent──▶ COLLECTED_INSIDE ──answered──▶ COLLECTED   (server_lost holds it)
+        OUTSIDE, INSIDE ──lost──▶ LOST                                 (dropped silently)
+        any ──settled──▶ SETTLED
+    """
+
+    OUTSIDE = "outside"  # nothing of it in the server: not sent yet, answered, or the request never reached it
+    INSIDE = "inside"  # its request is (or may still be) inside the server: a death strikes it
+    COLLECTED = "collected"  # taken over by `server_lost`, nothing inside: handed back
+    COLLECTED_INSIDE = "collected_inside"  # taken over by `server_lost`, inside: struck
+    LOST = "lost"  # its lease lapsed (another worker requeued it) or its run was cancelled: dropped
+    SETTLED = "settled"  # its outcome is written (or it was handed back): nothing left to do
+
+    # Transitions compare by identity with module-level aliases: an Enum member's hash (a dict
+    # lookup) costs more than the bool it replaced, and `sent` runs for every request.
+    def sent(self) -> FlightState:
+        if self is _OUTSIDE:
+            return _INSIDE
+        return _COLLECTED_INSIDE if self is _COLLECTED else self
+
+    def answered(self) -> FlightState:
+        """The server answered: it holds nothing of this prompt."""
+        if self is _INSIDE:
+            return _OUTSIDE
+        return _COLLECTED if self is _COLLECTED_INSIDE else self
+
+    def unsent(self, before: FlightState) -> FlightState:
+        """This attempt never reached the server; an earlier one (`before` it) may have."""
+        return self if before.inside else self.answered()
+
+    def collected(self) -> FlightState:
+        if self is _OUTSIDE:
+            return _COLLECTED
+        return _COLLECTED_INSIDE if self is _INSIDE else self
+
+    def lost(self) -> FlightState:
+        return _LOST if self is _OUTSIDE or self is _INSIDE else self
+
+    @property
+    def inside(self) -> bool:
+        return self is _INSIDE or self is _COLLECTED_INSIDE
+
+    @property
+    def held_by_task(self) -> bool:
+        """Its task ends it: cancelled, the task hands it back."""
+        return self is _OUTSIDE or self is _INSIDE
+
+
+_OUTSIDE, _INSIDE = FlightState.OUTSIDE, FlightState.INSIDE
+_COLLECTED, _COLLECTED_INSIDE = FlightState.COLLECTED, FlightState.COLLECTED_INSIDE
+_LOST, _SETTLED = FlightState.LOST, FlightState.SETTLED
+
+
 @dataclass(slots=True, eq=False)
 class Flight:
     """One claimed job while this worker holds it."""
@@ -83,11 +169,12 @@ class Flight:
     claim: Claim
     prompt: Prompt | None = None
     attempts: int = 0
-    inside: bool = False  # its request is (or may still be) inside the server: a death strikes it
+    state: FlightState = FlightState.OUTSIDE
     sent_at: float = 0.0  # time.monotonic() when its request was last sent
-    settled: bool = False  # its outcome is written (or handed back): nothing left to do
-    collected: bool = False  # taken over by `server_lost`: it must not hand itself back
-    lost: bool = False  # its lease lapsed and another worker requeued it: drop it silently
+
+    @property
+    def settled(self) -> bool:
+        return self.state is _SETTLED
 
 
 class Dispatcher:
@@ -112,18 +199,14 @@ class Dispatcher:
         self._surplus_checked = 0.0
         self.turnover = Turnover()
         self.tasks: dict[asyncio.Task[None], Flight] = {}
-        self.accepting = asyncio.Event()  # cleared while paused (server restarting) or stopping
-        self.draining = False  # a drain is under way: prompts waiting to retry go back at once
-        self.trouble = asyncio.Event()  # a request broke in transport: is the server still there?
-        self.checked = asyncio.Event()  # cleared with `trouble`: no claims until the keeper has looked
-        self.checked.set()
+        self._mode = Mode.PAUSED  # until the keeper (or a test) resumes it
+        self._mode_changed = asyncio.Event()  # set, and replaced, at each change of mode
         self.done = 0
         self.failed = 0
         self.refused = 0
         self.handed_back = 0
         self.struck = 0
         self.quarantined = 0
-        self.cancelled = False  # the run was cancelled: claim nothing (cleared if the flag goes away)
         self.dropped = 0  # in-flight prompts dropped because the run was cancelled
         self._suspect: asyncio.Task[None] | None = None  # the one suspect this worker runs, if any
         self._solo: asyncio.Task[None] | None = None  # the prompt running alone, if any
@@ -133,6 +216,57 @@ class Dispatcher:
     @property
     def in_flight(self) -> int:
         return len(self.tasks)
+
+    # --- the mode -----------------------------------------------------------------------------------
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @property
+    def cancelled(self) -> bool:
+        return bool(self._mode & Mode.CANCELLED)
+
+    def _set_mode(self, mode: Mode) -> None:
+        if mode is not self._mode:
+            self._mode = mode
+            self._mode_changed.set()
+            self._mode_changed = asyncio.Event()
+
+    async def _until_mode(self, ready: Callable[[Mode], bool], timeout_s: float | None = None) -> bool:
+        """Wait until `ready(mode)`, at most `timeout_s` (None: no limit); return `ready(mode)`."""
+        if not ready(self._mode):
+            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel
+                async with asyncio.timeout(timeout_s):
+                    while not ready(self._mode):
+                        await self._mode_changed.wait()
+        return ready(self._mode)
+
+    def pause(self) -> None:
+        """Claim nothing, and let prompts waiting to retry wait: the server is not serving, or the
+        worker stops."""
+        self._set_mode(self._mode | Mode.PAUSED)
+
+    def resume(self) -> None:
+        """The server serves (again): claims go on, unless a drain is under way or the run is cancelled.
+        A request's trouble before it is over: the server was just (re)started."""
+        self._set_mode(self._mode & ~(Mode.PAUSED | Mode.TROUBLE))
+
+    def _report_trouble(self) -> None:
+        """A request got no answer: claim nothing more until the keeper has looked at the server."""
+        self._set_mode(self._mode | Mode.TROUBLE)
+
+    def server_checked(self) -> None:
+        """The keeper looked after TROUBLE and the server is alive: claims may go on."""
+        self._set_mode(self._mode & ~Mode.TROUBLE)
+
+    async def until_trouble(self, timeout_s: float) -> bool:
+        """For the keeper: wait up to `timeout_s` for a request to get no answer; True while TROUBLE
+        holds (until `server_checked` or `resume`)."""
+        return await self._until_mode(_in_trouble, timeout_s)
+
+    def uncancel(self) -> None:
+        """The run's cancel flag went away (purged): claim from it again."""
+        self._set_mode(self._mode & ~Mode.CANCELLED)
 
     async def set_capacity(self, capacity: int, *, max_in_flight: int | None = None) -> None:
         """Size the semaphore for a server that runs `capacity` requests at once: capacity + surplus;
@@ -163,13 +297,8 @@ class Dispatcher:
         idle_s = 0.02
         redis_wait_s = 0.5
         while True:
-            await self.accepting.wait()
-            await self._wait_checked()
-            if self.cancelled:
-                if burst and not self.tasks:
-                    return  # nothing of a cancelled run will come
-                await asyncio.sleep(0.5)
-                continue
+            if self._mode and not await self._until_claimable(burst):
+                return  # nothing of a cancelled run will come
             if self._solo is not None:  # a prompt runs alone: nothing else until it is done
                 await asyncio.wait({self._solo})
                 continue
@@ -184,7 +313,7 @@ class Dispatcher:
                     await self.slots.wait_free(self.surplus - self.surplus // 2, CLAIM_GATHER_S)
             took = await self.slots.acquire_up_to(self.slots.capacity)
             freed_at = self.slots.take_freed_at()
-            if not (self.accepting.is_set() and self.checked.is_set()):
+            if self._mode and self._mode & _HELD:  # paused, or in trouble, meanwhile
                 self.slots.release(took)
                 continue
             if self.ledger.results_backlog > self.config.max_pending_results:
@@ -203,7 +332,7 @@ class Dispatcher:
                 continue
             redis_wait_s = 0.5
             LINK.ok()  # says "Redis is back" once after an outage
-            if self.cancelled and claims:  # the run was cancelled while the claim was on its way
+            if claims and self._mode & Mode.CANCELLED:  # the run was cancelled while the claim was on its way
                 self.slots.release(took)
                 with contextlib.suppress(redis.RedisError, OSError):
                     self.dropped += await self.ledger.drop(claims)
@@ -221,6 +350,23 @@ class Dispatcher:
                 return
             await asyncio.sleep(idle_s)  # queues are dry: poll gently
             idle_s = min(idle_s * 2, 0.5)
+
+    async def _until_claimable(self, burst: bool) -> bool:
+        """Wait until the mode is RUNNING. False in burst mode when the run is cancelled and nothing is
+        in flight."""
+        while mode := self._mode:
+            if mode & _STOPPED:
+                await self._until_mode(_not_stopped)
+            elif mode & Mode.TROUBLE:
+                # Without a keeper (tests, benchmarks) nobody looks: go on after a while if the server
+                # is said to be fine.
+                if not await self._until_mode(_checked, 5.0) and self.server_ok():
+                    self.server_checked()
+            else:  # CANCELLED
+                if burst and not self.tasks:
+                    return False
+                await asyncio.sleep(0.5)
+        return True
 
     def _start(self, claim: Claim) -> None:
         flight = Flight(claim)
@@ -274,25 +420,26 @@ class Dispatcher:
                     await asyncio.wait(others)
             while True:
                 flight.attempts += 1
-                was_inside, flight.inside = flight.inside, True
+                before = flight.state
+                flight.state = before.sent()
                 flight.sent_at = time.monotonic()
                 try:
                     body = await self.backend(prompt)
                 except RetryableError as exc:
                     if exc.status_code is None:  # no answer: the server may be gone
                         if isinstance(exc.__cause__, _NOT_SENT):
-                            flight.inside = was_inside  # this attempt never reached it; an earlier one may have
-                        self.report_trouble()
+                            flight.state = flight.state.unsent(before)
+                        self._report_trouble()
                     else:
-                        flight.inside = False  # the server answered: it holds nothing of ours
-                    if self.draining:
+                        flight.state = flight.state.answered()
+                    if self._mode & Mode.DRAINING:
                         await self._hand_back(flight)
                         return
                     # The server is gone: its keeper strikes what was inside and collects us; the
                     # wait for it is not an attempt's backoff.
                     server_gone = exc.status_code is None and not self.server_ok()
                     if not server_gone and flight.attempts >= self.config.max_attempts:
-                        self._fail(flight, exc.status_code or 0, "retries_exhausted",
+                        self._fail(flight, exc.status_code or 0, ErrorCode.RETRIES_EXHAUSTED,
                                    f"{exc} (after {flight.attempts} attempts)", exc.body)
                         return
                     self.slots.release()  # no slot is held while it waits
@@ -302,14 +449,12 @@ class Dispatcher:
                     holding = True
                     continue
                 except PromptError as exc:
-                    flight.inside = False
-                    self._fail(flight, exc.status_code, "invalid_prompt", str(exc), exc.body)
+                    self._fail(flight, exc.status_code, ErrorCode.INVALID_PROMPT, str(exc), exc.body)
                     return
-                flight.inside = False
                 self._succeed(flight, body)
                 return
         except _Trimmed as exc:
-            flight.settled = True
+            flight.state = _SETTLED
             log.info("job %s is a failed job brought back by `rq requeue` whose prompt is in the store only: "
                      "the head feeds it again", claim.jid)
             try:
@@ -318,11 +463,11 @@ class Dispatcher:
                 log.warning("could not hand %s to the head (%s): its lease lapses and it comes back", claim.jid, err)
         except JobRefused as exc:
             log.error("refused job %s: %s", claim.jid, exc)
-            flight.settled = True
+            flight.state = _SETTLED
             self.refused += 1
             self.ledger.refuse(claim, str(exc))
         except asyncio.CancelledError:
-            if not (flight.collected or flight.lost or flight.settled):
+            if flight.state.held_by_task:
                 await asyncio.shield(self._hand_back(flight))
             raise
         finally:
@@ -335,37 +480,16 @@ class Dispatcher:
         if backoff_s:
             await self.retry_sleep(backoff_s)
         await self._until_server_ok()
-        if self.draining:
+        if self._mode & Mode.DRAINING:
             await self._hand_back(flight)
             return False
         await self.slots.acquire()
         return True
 
-    def report_trouble(self) -> None:
-        """A request got no answer: claim nothing more until the keeper has looked at the server
-        (`server_checked`), so a dead server does not swallow and give back a stream of new claims."""
-        self.checked.clear()
-        self.trouble.set()
-
-    def server_checked(self) -> None:
-        """The keeper looked after `trouble` and the server is alive: claims may go on."""
-        self.trouble.clear()
-        self.checked.set()
-
-    async def _wait_checked(self) -> None:
-        """Wait until the keeper has looked at the server after a request got no answer. Without a
-        keeper (tests, benchmarks) nobody looks: go on after a while if the server is said to be fine."""
-        while not self.checked.is_set():
-            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel
-                async with asyncio.timeout(5.0):
-                    await self.checked.wait()
-            if not self.checked.is_set() and self.server_ok():
-                self.server_checked()
-
     async def _until_server_ok(self) -> None:
         """Wait while the server is down or paused (a death is collected by `server_lost`, which
         cancels this wait; a drain hands the prompt back)."""
-        while not (self.server_ok() and self.accepting.is_set()) and not self.draining:
+        while not (self.server_ok() and not self._mode & Mode.PAUSED) and not self._mode & Mode.DRAINING:
             await asyncio.sleep(0.2)
 
     def _decode(self, claim: Claim) -> Prompt:
@@ -411,13 +535,13 @@ class Dispatcher:
         prompt = flight.prompt
         result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=200, body=body,
                         worker=self.worker, attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
-        flight.settled = True
+        flight.state = _SETTLED
         self.done += 1
         self.turnover.finished(time.monotonic())
         self.on_completion(result.completion_tokens)
         self.ledger.finish(flight.claim, result)
 
-    def _fail(self, flight: Flight, status: int, code: str, message: str, body: object = None) -> None:
+    def _fail(self, flight: Flight, status: int, code: ErrorCode, message: str, body: object = None) -> None:
         """`body`: the server's error answer (JSON), exported as its response body; kept only as an object."""
         assert flight.prompt is not None
         prompt = flight.prompt
@@ -425,14 +549,14 @@ class Dispatcher:
         result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=status,
                         body=body if isinstance(body, dict) else None, error={"code": code, "message": message},
                         worker=self.worker, attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
-        flight.settled = True
+        flight.state = _SETTLED
         self.failed += 1
         self.turnover.finished(time.monotonic())
         log.warning("prompt %s failed (%s): %s", result.cid, code, message)
         self.ledger.finish(flight.claim, result, exc_string=f"{code}: {message}")
 
     async def _hand_back(self, flight: Flight) -> None:
-        flight.settled = True
+        flight.state = _SETTLED
         try:
             n = await self.ledger.hand_back([flight.claim])
         except (redis.RedisError, OSError) as exc:
@@ -456,7 +580,7 @@ class Dispatcher:
         if not self.capacity or self.slots.capacity <= self.capacity or extra <= 0:
             return
         open_ = [(t, f) for t, f in self.tasks.items() if not f.settled]
-        open_.sort(key=lambda tf: tf[1].sent_at if tf[1].inside else float("inf"), reverse=True)
+        open_.sort(key=lambda tf: tf[1].sent_at if tf[1].state.inside else float("inf"), reverse=True)
         youngest = [t for t, _ in open_[:extra]]
         if youngest:
             await self._collect(youngest)
@@ -466,17 +590,17 @@ class Dispatcher:
         """The server died (or hung and was killed): stop claiming, take every prompt back from its
         task, and in one atomic call give a strike to each that was inside the server, the rest back
         untouched. A prompt alone in the server at its MAX_STRIKES-th death is quarantined."""
-        self.accepting.clear()
+        self.pause()
         flights = list(self.tasks.items())
         for _, flight in flights:
-            flight.collected = True
+            flight.state = flight.state.collected()
         await self._collect([t for t, _ in flights])
-        open_flights = [f for _, f in flights if not f.settled]
-        inside = [f for f in open_flights if f.inside]
-        outside = [f.claim for f in open_flights if not f.inside]
+        open_flights = [f for _, f in flights if f.state is _COLLECTED or f.state is _COLLECTED_INSIDE]
+        inside = [f for f in open_flights if f.state is _COLLECTED_INSIDE]
+        outside = [f.claim for f in open_flights if f.state is _COLLECTED]
         alone = inside[0] if len(inside) == 1 else None
         entries = [(f.claim, self._quarantine_result(f, reason, log_tail) if f is alone else None) for f in inside]
-        exc_string = f"server_crash: {reason}"
+        exc_string = f"{ErrorCode.SERVER_CRASH}: {reason}"
         outcome = await self.ledger.after_server_death(entries, outside, exc_string=exc_string)
         self.struck += outcome.struck
         self.handed_back += outcome.handed_back
@@ -499,18 +623,18 @@ class Dispatcher:
         message = (f"the server died {MAX_STRIKES} times with this prompt inside, the last time with nothing else "
                    f"in it; quarantined, never run again. Last death: {reason}\n--- server log (tail) ---\n{tail}")
         return Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=0,
-                      error={"code": "server_crash", "message": message}, worker=self.worker,
+                      error={"code": ErrorCode.SERVER_CRASH, "message": message}, worker=self.worker,
                       attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
 
-    async def drop_cancelled(self) -> int:
+    async def cancel(self) -> int:
         """The run was cancelled: claim nothing more of it; cancel every in-flight prompt (its request
         is closed: the server aborts it), release its lease and publish nothing. Returns how many."""
-        self.cancelled = True
+        self._set_mode(self._mode | Mode.CANCELLED)
         flights = [(t, f) for t, f in self.tasks.items() if not f.settled]
         for _, flight in flights:
-            flight.lost = True
+            flight.state = flight.state.lost()
         await self._collect([t for t, _ in flights])
-        dropped = [f for _, f in flights if not f.settled]
+        dropped = [f for _, f in flights if f.state is _LOST]
         await self.ledger.drop([f.claim for f in dropped])
         self.dropped += len(dropped)
         return len(dropped)
@@ -520,15 +644,14 @@ class Dispatcher:
         results would be refused anyway)."""
         lost = set(jids)
         for task, flight in list(self.tasks.items()):
-            if flight.claim.jid in lost and not flight.settled:
-                flight.lost = True
+            if flight.claim.jid in lost and flight.state.held_by_task:
+                flight.state = flight.state.lost()
                 task.cancel()
 
     async def drain(self, timeout_s: float) -> int:
         """Stop claiming; let in-flight prompts finish for up to `timeout_s`; hand back the rest.
         Returns how many were handed back."""
-        self.accepting.clear()
-        self.draining = True
+        self._set_mode(self._mode | Mode.PAUSED | Mode.DRAINING)
         before = self.handed_back
         try:
             await self._hand_back_surplus()
@@ -538,7 +661,7 @@ class Dispatcher:
                 await self._collect(still)
             await self.ledger.flush()
         finally:
-            self.draining = False
+            self._set_mode(self._mode & ~Mode.DRAINING)
         handed = self.handed_back - before
         if handed:
             log.info("handed back %d in-flight prompt(s)", handed)
@@ -569,6 +692,22 @@ async def _cancel_and_wait(tasks: Iterable[asyncio.Task[None]], *, again_s: floa
                 continue
             log.warning("%s survived its cancellation; cancelling it again", task.get_name())
             task.cancel()
+
+
+_HELD = Mode.PAUSED | Mode.TROUBLE | Mode.DRAINING  # no claims; CANCELLED drops what a claim brings
+_STOPPED = Mode.PAUSED | Mode.DRAINING
+
+
+def _in_trouble(mode: Mode) -> bool:
+    return bool(mode & Mode.TROUBLE)
+
+
+def _checked(mode: Mode) -> bool:
+    return not mode & Mode.TROUBLE
+
+
+def _not_stopped(mode: Mode) -> bool:
+    return not mode & _STOPPED
 
 
 class _Trimmed(Exception):

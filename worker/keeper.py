@@ -5,7 +5,9 @@ when the supervisor asks for another spec; report each step in the worker's stat
       │                └──another spec asked──▶ RESPEC (drain, hand back the rest, stop, GPU free) ──▶ START
       └──could not start──▶ BACKOFF (state "down", reason and log tail published) ──▶ START
 
-Each phase is a method in a dispatch table that returns the next phase.
+Each phase (`ServerPhase`) is a method in a dispatch table that returns the next phase. The keeper
+pauses and resumes the dispatcher around the server's life, and tells it when a request's trouble
+turned out harmless (`server_checked`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import redis
 from batchfleet import sglang
 from batchfleet.config import Config
 from batchfleet.errors import ConfigError, JobRefused, ServerDied, ServerStartError
-from batchfleet.records import ENDPOINTS, Prompt, WorkerState
+from batchfleet.records import ENDPOINTS, EventKind, Prompt, WorkerState
 
 from .dispatcher import Dispatcher
 from .events import EventLog
@@ -32,12 +34,15 @@ from .server import SGLangServer
 from .slots import surplus_cap
 from .spec import SpecFollower
 
-__all__ = ["Phase", "ServerKeeper"]
+__all__ = ["ServerKeeper", "ServerPhase"]
 
 log = logging.getLogger("batchfleet.worker")
 
 
-class Phase(StrEnum):
+class ServerPhase(StrEnum):
+    """A step of the server's life, as the keeper runs it (the worker's published state is
+    `WorkerState`)."""
+
     START = "start"
     SERVE = "serve"
     DIED = "died"
@@ -62,13 +67,13 @@ class ServerKeeper:
         self._failures = 0  # start failures in a row
         self._death: ServerDied | None = None
         self._restarting: dict | None = None  # set between a spec-driven stop and the next start
-        self._phases: dict[Phase, Callable[[], Awaitable[Phase]]] = {
-            Phase.START: self._start, Phase.SERVE: self._serve, Phase.DIED: self._died,
-            Phase.RESPEC: self._respec, Phase.BACKOFF: self._backoff,
+        self._phases: dict[ServerPhase, Callable[[], Awaitable[ServerPhase]]] = {
+            ServerPhase.START: self._start, ServerPhase.SERVE: self._serve, ServerPhase.DIED: self._died,
+            ServerPhase.RESPEC: self._respec, ServerPhase.BACKOFF: self._backoff,
         }
 
     async def run(self) -> None:
-        phase = Phase.START
+        phase = ServerPhase.START
         while True:
             phase = await self._phases[phase]()
 
@@ -91,7 +96,7 @@ class ServerKeeper:
             self.http = None
 
     # --- phases ----------------------------------------------------------------------------------
-    async def _start(self) -> Phase:
+    async def _start(self) -> ServerPhase:
         self.state = WorkerState.STARTING
         spec = await self.spec.desired()
         try:
@@ -101,7 +106,7 @@ class ServerKeeper:
             self.state, self.message = WorkerState.DOWN, str(exc)
             log.error("gpu%d: %s", self.gpu, exc)
             await self.publish()
-            return Phase.BACKOFF
+            return ServerPhase.BACKOFF
         except ConfigError as exc:
             self.state, self.message = WorkerState.DOWN, f"configuration error: {exc}"
             log.error("gpu%d: %s", self.gpu, self.message)
@@ -110,33 +115,31 @@ class ServerKeeper:
         self._failures = 0
         await self._open_http(capacity)
         await self.dispatcher.set_capacity(capacity, max_in_flight=self.config.max_in_flight)
-        self.dispatcher.server_checked()
-        self.dispatcher.accepting.set()
-        # The event first: whoever sees the status serve the new generation finds its "restarted" event
-        # (a test read the status, then found no event, 1 time in 11 under load).
+        self.dispatcher.resume()
+        # The event first: whoever sees the status serve the new generation finds its "restarted" event.
         if self._restarting is not None:
-            await self.events.emit("restarted", f"gpu{self.gpu} now serves {spec.describe()} (generation "
+            await self.events.emit(EventKind.RESTARTED, f"gpu{self.gpu} now serves {spec.describe()} (generation "
                                    f"{spec.generation}) with {capacity} slots", **self._restarting, capacity=capacity,
                                    generation=spec.generation, strategy=spec.strategy, queue=self.spec.queue,
                                    downtime_s=round(time.monotonic() - self._restarting["since"], 2))
             self._restarting = None
         self.state, self.message = WorkerState.SERVING, ""
         await self.publish()
-        return Phase.SERVE
+        return ServerPhase.SERVE
 
-    async def _backoff(self) -> Phase:
+    async def _backoff(self) -> ServerPhase:
         await asyncio.sleep(min(300.0, 5.0 * 2 ** (self._failures - 1)))
-        return Phase.START
+        return ServerPhase.START
 
-    async def _serve(self) -> Phase:
+    async def _serve(self) -> ServerPhase:
         try:
             await self._watch()
         except ServerDied as exc:
             self._death = exc
-            return Phase.DIED
-        return Phase.RESPEC
+            return ServerPhase.DIED
+        return ServerPhase.RESPEC
 
-    async def _died(self) -> Phase:
+    async def _died(self) -> ServerPhase:
         """The server exited, or hung and is killed now. Stop claiming at once; the prompts that were
         inside it get a strike (see `ledger`); restart."""
         exc = self._death
@@ -145,21 +148,21 @@ class ServerKeeper:
         reason = str(exc).splitlines()[0]
         log.error("gpu%d: %s; restarting it", self.gpu, reason)
         self.state, self.message = WorkerState.RESTARTING, reason
-        self.dispatcher.accepting.clear()
+        self.dispatcher.pause()
         self.server.kill()  # a hung server must not finish anything now; a dead one is already gone
         await self.publish()
         tail = exc.log_tail or self.server.log_tail()
         with contextlib.suppress(redis.RedisError, OSError):  # said by the ledger; the leases lapse, they rerun
             await self.dispatcher.server_lost(reason=reason, log_tail=tail)
-        return Phase.START
+        return ServerPhase.START
 
-    async def _respec(self) -> Phase:
+    async def _respec(self) -> ServerPhase:
         """Drain (in-flight prompts finish up to the deadline, the rest go back to their queue), stop
         the server, and wait until its GPU memory is free, so the next start sees a clean GPU."""
         old = self.server.spec
         since = time.monotonic()
         self.state, self.message = WorkerState.RESTARTING, "draining for a new server configuration"
-        self.dispatcher.accepting.clear()
+        self.dispatcher.pause()
         await self.publish()
         handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
         await self.server.stop()
@@ -168,7 +171,7 @@ class ServerKeeper:
                             "previous_generation": old.generation, "gpu": gpu_note}
         log.info("gpu%d: restarting for generation %s: %d prompt(s) handed back; %s", self.gpu,
                  (await self.spec.desired()).generation, handed, gpu_note)
-        return Phase.START
+        return ServerPhase.START
 
     # --- watching --------------------------------------------------------------------------------
     async def _watch(self) -> None:
@@ -177,12 +180,8 @@ class ServerKeeper:
         misses = 0
         last_health = time.monotonic()
         finished_then = self._finished()
-        trouble = self.dispatcher.trouble
         while True:
-            with contextlib.suppress(TimeoutError):  # not wait_for: on 3.11 it can swallow a cancel
-                async with asyncio.timeout(1.0):
-                    await trouble.wait()
-            if trouble.is_set():  # a request broke without an answer: has the process exited?
+            if await self.dispatcher.until_trouble(1.0):  # a request broke without an answer: has the process exited?
                 await self._settle_exit()
                 if self.server.running:
                     self.dispatcher.server_checked()  # alive: claims go on (a hang is judged below)

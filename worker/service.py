@@ -30,7 +30,7 @@ from batchfleet.connection import redacted
 from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.marker import MarkerWatch
-from batchfleet.records import Prompt, WorkerStatus
+from batchfleet.records import EventKind, Prompt, WorkerStatus
 from batchfleet.redact import Scrubber
 
 from .clock import Clock
@@ -158,10 +158,10 @@ class GPUService:
                  reason, self.config.shutdown_grace_s, code)
         if code:
             self._said.append(asyncio.create_task(self.events.emit(
-                "shutdown_command", f"gpu{self.gpu}: {reason}: draining, then exiting {code} (to be restarted)",
+                EventKind.SHUTDOWN_COMMAND, f"gpu{self.gpu}: {reason}: draining, then exiting {code} (to be restarted)",
                 exit_code=code)))
         self.exit_code = code
-        self.dispatcher.accepting.clear()
+        self.dispatcher.pause()
         self.stop_requested.set()
 
     # --- wiring ----------------------------------------------------------------------------------------
@@ -175,14 +175,15 @@ class GPUService:
         d = self.dispatcher
         if await self.r.hget(self.k.cancel, "at") is None:
             if d.cancelled:
-                d.cancelled, self._acked = False, False
+                d.uncancel()
+                self._acked = False
                 log.warning("run %s is no longer cancelled (its flag %s is gone): taking work again",
                             self.k.run, self.k.cancel)
             return
         if not d.cancelled:
             log.warning("run %s was cancelled (producer cancel): dropping %d in-flight prompt(s), taking no more work "
                         "of it", self.k.run, len(d.tasks))
-        dropped = await d.drop_cancelled()
+        dropped = await d.cancel()
         if dropped or not self._acked:
             await self.r.hincrby(self.k.cancel, Keys.CANCEL_ACK_PREFIX + self.worker, dropped)
             self._acked = True

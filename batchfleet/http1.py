@@ -1,25 +1,30 @@
-"""The generation transport: a small HTTP/1.1 client on a bare asyncio protocol, for one POST per
-prompt to one SGLang server at thousands a second (`docs/benchmarks.md`, "Worker dispatch ceiling":
-a fifth of aiohttp's CPU per request, a twentieth of httpx's).
+"""The worker's one HTTP client: a keep-alive HTTP/1.1 pool on a bare asyncio protocol, its replies
+parsed by `httptools` (llhttp, the parser uvicorn itself serves SGLang with). Generations (one POST
+per prompt, thousands a second) and the control plane (health, metrics, server info) go through it.
 
-It speaks the part of HTTP/1.1 that SGLang's server (uvicorn, or granian) answers a JSON POST with,
-and refuses the rest loudly:
+What it does, and what it refuses loudly:
 - keep-alive connections in a LIFO stack (the most recently used first, so few stay warm), at most
   `max_connections` open; an idle connection is given up after `idle_s`, below the server's own
-  keep-alive timeout (SGLang's `SGLANG_TIMEOUT_KEEP_ALIVE`, 5 s), so the client never sends on a
-  connection the server is closing;
-- a reply body by Content-Length, chunked, or read until the server closes; 1xx heads skipped;
-  a connection the server closed or asked to close (`Connection: close`, HTTP/1.0) is not reused;
-- a reply larger than `max_reply_bytes`, or not HTTP/1.x, is a `ReplyError` (the connection closes);
+  keep-alive timeout (SGLang runs uvicorn with `timeout_keep_alive=5`), so the client never sends on
+  a connection the server is closing;
+- a reply body by Content-Length, chunked, or read until the server closes (complete only on a
+  clean close: a reset cuts it short); 1xx heads skipped; 204 and 304 have no body whatever they
+  declare; a connection the server closed or asked to close (`Connection: close`, HTTP/1.0) is not
+  reused;
+- llhttp refuses what a reply must not be: duplicate Content-Length headers (identical or not),
+  Content-Length beside Transfer-Encoding, a chunk not followed by CRLF, a Transfer-Encoding other
+  than chunked, a status line that is not HTTP/1.x. Each is a `ReplyError`, and its connection closes;
+  so is a reply larger than `max_reply_bytes`;
 - `timeout_s` without a byte from the server fails the request with `TimeoutError` and closes its
-  connection (one sweep per pool, not a timer per request); a cancelled request closes its connection
-  too, and SGLang aborts a request whose client left;
+  connection (one sweep per pool, at least once a second, not a timer per request); a cancelled
+  request closes its connection too, and SGLang aborts a request whose client left;
 - a reused connection that the server closed before a byte of the reply came back is retried once on
   a new connection (the keep-alive race every client has); nothing else is retried here;
 - `ConnectFailed` means the request was never written anywhere: the server cannot hold it. Every
-  other error means it may have been inside the server.
+  other error means it may have been inside the server;
+- no header it sends can hold CR, LF or NUL (an API key cannot smuggle in a header).
 
-Exceptions:
+Exceptions (all are OSErrors):
 
     ConnectionError
       ├── ConnectFailed   no connection could be opened: the request was never sent
@@ -32,18 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from urllib.parse import urlsplit
+
+import httptools
 
 __all__ = ["ConnectFailed", "Http1Pool", "ReplyError", "ServerClosed"]
 
 MAX_HEAD_BYTES = 64 * 1024
-# The headers that say where a reply's body ends; each on its own line of the head.
-_FRAMING = re.compile(rb"\r\n(content-length|transfer-encoding|connection)[ \t]*:([^\r\n]*)", re.IGNORECASE)
-_UNTIL_CLOSE = -3
-_CHUNKED = -2
-_NO_HEAD = -1
 
 
 class ConnectFailed(ConnectionError):
@@ -58,122 +59,102 @@ class ReplyError(ConnectionError):
     """A reply that is not HTTP/1.x as this client reads it, or larger than allowed."""
 
 
-class _Conn(asyncio.Protocol):
-    """One connection; at most one request on it at a time."""
+_PARSE_ERRORS = (httptools.HttpParserError, httptools.HttpParserUpgrade)
 
-    __slots__ = ("_head", "_need", "buf", "closed", "deadline", "got_bytes", "idle_since", "limit", "timeout_s",
-                 "transport", "waiter")
+
+class _Conn(asyncio.Protocol):
+    """One connection; at most one request on it at a time. The parser calls the `on_*` methods."""
+
+    __slots__ = ("_body", "_framed", "_headed", "_status", "closed", "deadline", "got_bytes", "idle_since", "limit",
+                 "parser", "received", "timeout_s", "transport", "waiter")
 
     def __init__(self, limit: int, timeout_s: float) -> None:
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
+        self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future[tuple[int, bytes, bool]] | None = None
         self.deadline = 0.0  # time.monotonic() by which the server must send something
         self.idle_since = 0.0
         self.closed = False
         self.got_bytes = False  # some of the current reply has arrived
+        self.received = 0  # bytes of the current reply so far
         self.limit = limit
         self.timeout_s = timeout_s
-        self._need = _NO_HEAD  # body bytes still expected, or one of the markers above
-        self._head: tuple[int, int, bool] | None = None  # (status, head length, keep-alive)
+        self._body: list[bytes] = []
+        self._status = 0
+        self._framed = False  # Content-Length or chunked: the body does not end with the connection
+        self._headed = False  # the final (not 1xx) head is complete
 
+    # --- asyncio ---------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        w = self.waiter
-        if w is None or w.done():
-            return
-        if self._need == _UNTIL_CLOSE and self._head is not None:  # a body read until close is complete now
-            status, hlen, _ = self._head
-            w.set_result((status, bytes(self.buf[hlen:]), False))
-        else:
-            w.set_exception(ServerClosed("the server closed the connection before its reply was complete"
-                                         + (f" ({exc})" if exc else "")))
 
     def data_received(self, data: bytes) -> None:
         w = self.waiter
         if w is None or w.done():  # nothing was asked: a server talking out of turn is not reused
             self.close()
             return
-        self.buf += data
         self.got_bytes = True
+        self.received += len(data)
         try:
-            if len(self.buf) > self.limit:
+            if self.received > self.limit:
                 raise ReplyError(f"reply larger than {self.limit:,} bytes")
-            done = self._parse()
-        except (ReplyError, ValueError) as exc:
-            w.set_exception(exc if isinstance(exc, ReplyError) else ReplyError(str(exc)))
+            self.parser.feed_data(data)
+            if not self._headed and self.received > MAX_HEAD_BYTES and not w.done():
+                raise ReplyError(f"reply head over {MAX_HEAD_BYTES // 1024} KiB")
+        except (ReplyError, *_PARSE_ERRORS) as exc:
+            if not w.done():
+                w.set_exception(_reply_error(exc))
             self.close()
             return
-        if done is not None:
-            w.set_result(done)
-        else:
+        if not w.done():
             self.deadline = time.monotonic() + self.timeout_s
 
-    def _parse(self) -> tuple[int, bytes, bool] | None:
-        buf = self.buf
-        while self._head is None:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD_BYTES:
-                    raise ReplyError(f"reply head over {MAX_HEAD_BYTES // 1024} KiB")
-                return None
-            eol = buf.find(b"\r\n")
-            status_line = bytes(buf[:eol])
-            parts = status_line.split(b" ", 2)
-            if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-                raise ReplyError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
-            status = int(parts[1])
-            if 100 <= status < 200:  # an interim head (100 Continue): the real one follows
-                del buf[:end + 4]
-                continue
-            keep = parts[0] == b"HTTP/1.1"
-            need = 0 if status in (204, 304) else _UNTIL_CLOSE
-            for m in _FRAMING.finditer(buf, 0, end + 2):  # only the headers that frame the body
-                name, value = m.group(1).lower(), m.group(2).strip().lower()
-                if name == b"content-length" and need != _CHUNKED:
-                    if not value.isdigit():
-                        raise ReplyError(f"bad content-length: {value[:40]!r}")
-                    need = int(value)
-                elif name == b"transfer-encoding" and b"chunked" in value:
-                    need = _CHUNKED
-                elif name == b"connection":
-                    keep = value != b"close" and (keep or value == b"keep-alive")
-            if need == _UNTIL_CLOSE:
-                keep = False
-            self._head = (status, end + 4, keep)
-            self._need = need
-        status, hlen, keep = self._head
-        if self._need >= 0:
-            if len(buf) - hlen < self._need:
-                return None
-            body = bytes(buf[hlen:hlen + self._need])
-            del buf[:hlen + self._need]
-        elif self._need == _CHUNKED:
-            parts: list[bytes] = []
-            pos = hlen
-            while True:
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    return None
-                size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
-                if size == 0:
-                    end = buf.find(b"\r\n\r\n", eol)  # the trailers end with an empty line
-                    if end < 0:
-                        return None
-                    del buf[:end + 4]
-                    break
-                if len(buf) < eol + 2 + size + 2:
-                    return None
-                parts.append(bytes(buf[eol + 2:eol + 2 + size]))
-                pos = eol + 2 + size + 2
-            body = b"".join(parts)
-        else:
-            return None  # until close: connection_lost completes it
-        self._head, self._need = None, _NO_HEAD
-        return status, body, keep
+    def eof_received(self) -> bool:
+        """The server closed its side cleanly: that ends a body read until close (and nothing else)."""
+        w = self.waiter
+        if w is not None and not w.done() and self._headed and not self._framed:
+            w.set_result((self._status, b"".join(self._body), False))
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_exception(ServerClosed("the server closed the connection before its reply was complete"
+                                         + (f" ({exc})" if exc else "")))
+
+    # --- the parser's callbacks ------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        w = self.waiter
+        if w is None or w.done():
+            raise ReplyError("the server sent more than the reply asked for")
+        self._body = []
+        self._framed = self._headed = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        n = name.lower()
+        if n == b"content-length":
+            self._framed = True
+        elif n == b"transfer-encoding":
+            if value.strip().lower() != b"chunked":
+                raise ReplyError(f"transfer-encoding {value[:40]!r}: this client reads chunked only")
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        self._status = self.parser.get_status_code()
+        self._headed = self._status >= 200
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if not self._headed:  # an interim head (100 Continue): the real one follows
+            return
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result((self._status, b"".join(self._body), self.parser.should_keep_alive()))
+        self._body = []
+        self._headed = False  # until the next reply's head
 
     def close(self) -> None:
         self.closed = True
@@ -182,14 +163,14 @@ class _Conn(asyncio.Protocol):
 
 
 class Http1Pool:
-    """POST bodies to one server (`http://host:port`) over keep-alive HTTP/1.1 connections."""
+    """Requests to one server (`http://host:port`) over keep-alive HTTP/1.1 connections."""
 
     def __init__(self, base_url: str, *, max_connections: int, timeout_s: float, connect_timeout_s: float = 10.0,
                  idle_s: float = 4.0, headers: dict[str, str] | None = None,
                  max_reply_bytes: int = 256 * 2**20) -> None:
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
-            raise ValueError(f"the generation transport speaks plain http://host:port only, not {base_url!r}")
+            raise ValueError(f"the worker's HTTP client speaks plain http://host:port only, not {base_url!r}")
         self.host, self.port = u.hostname, u.port or 80
         self.max_connections = max_connections
         self.timeout_s = timeout_s
@@ -201,13 +182,14 @@ class Http1Pool:
             if any(c in f"{k}{v}" for c in "\r\n\0") or ":" in k:
                 raise ValueError(f"header {k[:40]!r}: no line breaks or NULs in a header, no ':' in its name")
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        self._prefix = (f"Host: {netloc}\r\nUser-Agent: batchfleet\r\nAccept: application/json\r\n"
-                        f"Content-Type: application/json\r\n{extra}").encode("latin-1")
+        common = f"Host: {netloc}\r\nUser-Agent: batchfleet\r\n{extra}"
+        self._post_prefix = f"{common}Accept: application/json\r\nContent-Type: application/json\r\n".encode("latin-1")
+        self._get_prefix = f"{common}Accept: */*\r\n\r\n".encode("latin-1")
         self._idle: list[_Conn] = []
         self._busy: set[_Conn] = set()
         self._slot = asyncio.Semaphore(max_connections)
         self._sweeper: asyncio.Task[None] | None = None
-        self._sweep_s = min(1.0, max(0.05, timeout_s / 4))
+        self._sweep_s = max(0.05, min(1.0, idle_s / 8, timeout_s / 4))
         self._closed = False
 
     @property
@@ -216,18 +198,26 @@ class Http1Pool:
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         """POST `body` (JSON) to `path` -> (status, reply body). Raises the errors drawn above."""
+        return await self._request(b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
+            _path(path), self._post_prefix, len(body), body), self.timeout_s)
+
+    async def get(self, path: str, *, timeout_s: float | None = None) -> tuple[int, bytes]:
+        """GET `path` -> (status, reply body); `timeout_s` (default: the pool's) without a byte from the
+        server is a TimeoutError. Raises the errors drawn above."""
+        return await self._request(b"GET %s HTTP/1.1\r\n%s" % (_path(path), self._get_prefix),
+                                   self.timeout_s if timeout_s is None else timeout_s)
+
+    async def _request(self, request: bytes, timeout_s: float) -> tuple[int, bytes]:
         if self._closed:
             raise ConnectFailed("the client is closed")
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-        request = b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
-            path.encode("latin-1"), self._prefix, len(body), body)
         async with self._slot:
             conn, reused = self._take_idle(), True
             if conn is None:
                 conn, reused = await self._connect(), False
             try:
-                return await self._exchange(conn, request)
+                return await self._exchange(conn, request, timeout_s)
             except ServerClosed:
                 if not reused or conn.got_bytes:
                     raise
@@ -238,7 +228,7 @@ class Http1Pool:
             except ConnectFailed as exc:  # it was written once: it may have been inside a dying server
                 raise ServerClosed(f"the server closed a kept-alive connection, then refused a new one ({exc})") \
                     from exc
-            return await self._exchange(conn, request)
+            return await self._exchange(conn, request, timeout_s)
 
     def _take_idle(self) -> _Conn | None:
         now = time.monotonic()
@@ -262,10 +252,12 @@ class Http1Pool:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc or type(exc).__name__}") from exc
         return conn
 
-    async def _exchange(self, conn: _Conn, request: bytes) -> tuple[int, bytes]:
+    async def _exchange(self, conn: _Conn, request: bytes, timeout_s: float) -> tuple[int, bytes]:
         conn.waiter = waiter = asyncio.get_running_loop().create_future()
         conn.got_bytes = False
-        conn.deadline = time.monotonic() + self.timeout_s
+        conn.received = 0
+        conn.timeout_s = timeout_s
+        conn.deadline = time.monotonic() + timeout_s
         self._busy.add(conn)
         keep = False
         try:
@@ -277,7 +269,7 @@ class Http1Pool:
         finally:
             self._busy.discard(conn)
             conn.waiter = None
-            if keep and not conn.closed and not conn.buf and not self._closed:
+            if keep and not conn.closed and not self._closed:
                 conn.idle_since = time.monotonic()
                 self._idle.append(conn)
             else:
@@ -290,7 +282,7 @@ class Http1Pool:
             for conn in [c for c in self._busy if c.deadline < now]:
                 w = conn.waiter
                 if w is not None and not w.done():
-                    w.set_exception(TimeoutError(f"no reply from the server within {self.timeout_s:g} s"))
+                    w.set_exception(TimeoutError(f"no reply from the server within {conn.timeout_s:g} s"))
                 conn.close()
             if self._idle and now - self._idle[0].idle_since >= self.idle_s:
                 keep = []
@@ -311,3 +303,26 @@ class Http1Pool:
         for c in [*self._idle, *self._busy]:
             c.close()
         self._idle.clear()
+
+
+def _reply_error(exc: Exception) -> ReplyError:
+    """The parser's refusal as a ReplyError (a callback's own ReplyError is the parser error's context)."""
+    for e in (exc, exc.__context__):
+        if isinstance(e, ReplyError):
+            return e
+    return ReplyError(f"not a reply this client reads: {exc or type(exc).__name__}")
+
+
+_PATHS: dict[str, bytes] = {}
+
+
+def _path(path: str) -> bytes:
+    """`path` as the request line's target, checked once: absolute, no space, CR, LF or NUL."""
+    target = _PATHS.get(path)
+    if target is None:
+        if not path.startswith("/") or any(c in path for c in " \r\n\0"):
+            raise ValueError(f"not a request path: {path[:80]!r}")
+        target = path.encode("latin-1")
+        if len(_PATHS) < 256:
+            _PATHS[path] = target
+    return target

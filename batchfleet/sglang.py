@@ -1,7 +1,8 @@
 """The SGLang client every batchfleet process agrees on: requests, errors, capacity, metrics.
 
 Only a worker talks to its own server; the supervisor sees servers through status records.
-Error classes follow SGLang 0.5.23 (`../shared/reference/sglang.md` §3, §6):
+Error classes follow SGLang 0.5.23 (upstream `sglang/srt/entrypoints/http_server.py` and its OpenAI
+serving classes):
 400/404/413/422 can never succeed -> PromptError; 408/429/5xx (503 "The request queue is full",
 500 "abort") and connection failures -> RetryableError.
 """
@@ -12,7 +13,6 @@ import re
 from collections import defaultdict
 from typing import Any
 
-import httpx
 import orjson
 
 from .errors import PromptError, RetryableError
@@ -32,70 +32,59 @@ __all__ = [
 _PERMANENT = {400, 404, 413, 422}
 
 
-# Generation requests (`complete`) reuse idle connections for at most this long. Below the keep-alive
-# timeout of SGLang's HTTP server (uvicorn's 5 s), so the client gives an idle connection up before
-# the server closes it under a request being sent.
+# Requests reuse idle connections for at most this long. Below the keep-alive timeout of SGLang's
+# HTTP server (uvicorn, run with timeout_keep_alive=5), so the client gives an idle connection up
+# before the server closes it under a request being sent.
 GENERATION_KEEPALIVE_S = 4.0
-_JSON_HEADERS = {"Content-Type": "application/json"}  # on httpx (a client that is not make_client's)
 
 
-class SGLangClient(httpx.AsyncClient):
-    """One shared client per server.
-
-    Control-plane requests (health, metrics, server info: a few a second) go through httpx, as
-    always. Generation requests (`complete`: thousands a second) go through `http1.Http1Pool` with
-    the same base URL, API key, connection limit and timeout: httpx's pool scans every connection on
-    every request (~1 ms of CPU per request at 128 in flight), and aiohttp costs ~4x what a bare
-    protocol does (docs/benchmarks.md, "Worker dispatch ceiling"). Closing the client closes both."""
+class SGLangClient:
+    """One client per server, one HTTP stack: generations (`complete`, thousands a second) and the
+    control plane (`get`: health, metrics, server info) go through one `http1.Http1Pool`, with the
+    server's API key, a connection limit, and a timeout for no byte from the server (a new connection
+    within 10 s). The pool's connections are shared: a health check may reuse a generation's."""
 
     def __init__(self, base_url: str, *, api_key: str, timeout_s: float, max_connections: int) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # httpx's defaults (5 s timeout, 100 connections) would starve 72 minute-long generations.
-        super().__init__(base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0),
-                         limits=httpx.Limits(max_connections=max_connections,
-                                             max_keepalive_connections=max_connections))
-        # As httpx's Timeout(timeout_s, connect=10): a new connection within 10 s, then a reply (or some
-        # of it) within timeout_s; no bound on the whole request beyond that.
-        self.generation = Http1Pool(base_url, max_connections=max_connections, timeout_s=timeout_s,
-                                    connect_timeout_s=10.0, idle_s=GENERATION_KEEPALIVE_S, headers=headers)
+        self.base_url = base_url
+        self.pool = Http1Pool(base_url, max_connections=max_connections, timeout_s=timeout_s,
+                              connect_timeout_s=10.0, idle_s=GENERATION_KEEPALIVE_S, headers=headers)
 
     async def post_generation(self, url: str, payload: bytes) -> tuple[int, bytes]:
         """POST `payload` (JSON) to `url` (a path) -> (status, body). Raises RetryableError when no
         HTTP answer came (its cause is `http1.ConnectFailed` when the request was never sent)."""
         try:
-            return await self.generation.post(url, payload)
+            return await self.pool.post(url, payload)
         except (ConnectionError, TimeoutError) as exc:
             raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
 
-    async def aclose(self) -> None:
-        await self.generation.aclose()
-        await super().aclose()
+    async def get(self, path: str, *, timeout_s: float) -> tuple[int, bytes]:
+        """GET `path` -> (status, body). No HTTP answer within `timeout_s` of silence raises the pool's
+        error: a ConnectionError (`http1.ConnectFailed`, `ServerClosed`, `ReplyError`) or TimeoutError."""
+        return await self.pool.get(path, timeout_s=timeout_s)
 
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.generation.aclose()
-        await super().__aexit__(*exc)
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pool.aclose()
 
 
 def make_client(base_url: str, *, api_key: str = "", timeout_s: float, max_connections: int) -> SGLangClient:
-    """One shared client per server: httpx for the control plane, plus `complete`'s fast path."""
+    """One shared client per server, for generations and the control plane alike."""
     return SGLangClient(base_url, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections)
 
 
-async def complete(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+async def complete(client: SGLangClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
     """POST one OpenAI-shaped request; return the reply or raise PromptError/RetryableError.
 
-    Through the client's generation session when it is `make_client`'s, else through httpx; both
-    classify alike: no HTTP answer -> RetryableError (status None); 200 with unreadable JSON ->
-    RetryableError; 400/404/413/422 -> PromptError; any other status -> RetryableError."""
-    payload = orjson.dumps(body)
-    if isinstance(client, SGLangClient):
-        status, content = await client.post_generation(url, payload)
-    else:
-        try:
-            resp = await client.post(url, content=payload, headers=_JSON_HEADERS)
-        except (httpx.TransportError, httpx.TimeoutException) as exc:
-            raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
-        status, content = resp.status_code, resp.content
+    No HTTP answer -> RetryableError (status None); 200 with unreadable JSON -> RetryableError;
+    400/404/413/422 -> PromptError, with the server's reply body (parsed JSON, or None) as `body`;
+    any other status -> RetryableError."""
+    status, content = await client.post_generation(url, orjson.dumps(body))
     if status == 200:
         try:
             return orjson.loads(content)
@@ -126,14 +115,19 @@ def _json_or_none(content: bytes) -> Any:
         return None
 
 
-async def get_server_info(client: httpx.AsyncClient) -> dict[str, Any]:
-    """`/server_info` on 0.5.23; `/get_server_info` on releases that only have the old name."""
+async def get_server_info(client: SGLangClient) -> dict[str, Any]:
+    """`/server_info` on 0.5.23; `/get_server_info` on releases that only have the old name. Raises
+    RetryableError for any other status or a body that is not a JSON object, and the pool's errors."""
     for path in ("/server_info", "/get_server_info"):
-        resp = await client.get(path, timeout=10.0)
-        if resp.status_code == 404:
+        status, content = await client.get(path, timeout_s=10.0)
+        if status == 404:
             continue
-        resp.raise_for_status()
-        return orjson.loads(resp.content)
+        if status != 200:
+            raise RetryableError(error_message(status, content), status_code=status)
+        info = _json_or_none(content)
+        if not isinstance(info, dict):
+            raise RetryableError(f"{path}: not a JSON object: {content[:200]!r}", status_code=status)
+        return info
     raise RetryableError("server has neither /server_info nor /get_server_info")
 
 

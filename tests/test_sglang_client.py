@@ -1,23 +1,33 @@
-"""The worker's generation client (`batchfleet.sglang.make_client` + `complete`, over
+"""The worker's HTTP client (`batchfleet.sglang.make_client` + `complete` and `get`, over
 `batchfleet.http1`) against a raw HTTP/1.1 server on a real socket: keep-alive, a connection the
 server closed (after a reply, or as the next request arrived), idle connections given up, timeouts,
-chunked, Content-Length, interim and read-until-close replies, the API key, and how each outcome is
-classified (above all: was the request perhaps inside the server?)."""
+chunked, Content-Length, interim and read-until-close replies, replies that must be refused, the API
+key, and how each outcome is classified (above all: was the request perhaps inside the server?).
+The same client against a real uvicorn server: tests/test_http_contract.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import cProfile
+import pstats
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from batchfleet import http1, sglang
 from batchfleet.errors import PromptError, RetryableError
-from worker.dispatcher import _NOT_SENT
+from worker.eventloop import loop_factory
 
 REPLY = b'{"choices":[{"text":"ok","finish_reason":"stop"}],"usage":{"completion_tokens":1}}'
+
+
+def reset(w: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset (RST), as a crashing peer or a dropped route does, not a clean FIN."""
+    w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    w.transport.abort()
 
 
 def reply(status: int, body: bytes, *, reason: str = "OK", extra: str = "") -> bytes:
@@ -120,8 +130,54 @@ class RawServer:
             if await reader.read(1) == b"":
                 self.closed_by_client.set()
             return False
+        elif path in ("/no-content", "/not-modified"):  # a Content-Length, but these statuses have no body
+            w.write(b"HTTP/1.1 204 No Content\r\ncontent-length: 7\r\n\r\n" if path == "/no-content"
+                    else b"HTTP/1.1 304 Not Modified\r\ncontent-length: 7\r\n\r\n")
+        elif path == "/until-reset":  # a body read until close, cut by a reset
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{\"choices\":[")
+            await w.drain()
+            await asyncio.sleep(0.2)  # the client reads the head and the first bytes before the reset
+            reset(w)
+            return False
+        elif path in ("/content-lengths", "/content-lengths-same"):
+            second = 7 if path == "/content-lengths" else 2
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: %d\r\n\r\n{}" % second)
+            if second == 7:
+                w.write(b'"a":1}')  # 7 bytes in all: what the last header says
+        elif path == "/length-and-chunked":
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n"
+                    b'7\r\n{"a":1}\r\n0\r\n\r\n')
+        elif path == "/chunk-without-crlf":
+            w.write(b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n7\r\n{"a":1}XX0\r\n\r\n')
+        elif path.startswith("/chunks-"):  # that many one-byte chunks, each in its own packet
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for _ in range(int(path.removeprefix("/chunks-"))):
+                w.write(b"1\r\nx\r\n")
+                await w.drain()
+                await asyncio.sleep(0)
+            w.write(b"0\r\n\r\n")
+        elif path == "/metrics":
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 28\r\n\r\n"
+                    b"sglang:num_running_reqs 3.0\n")
+        elif path == "/health_generate":
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
         await w.drain()
         return True
+
+
+_LOOP = {"kind": "asyncio"}
+
+
+@pytest.fixture(autouse=True, params=["asyncio", "uvloop"])
+def event_loop_kind(request: pytest.FixtureRequest) -> None:
+    """Every test on the standard event loop and on uvloop (the worker's): their transports report a
+    clean close, a reset and a refused connection each their own way."""
+    _LOOP["kind"] = request.param
+
+
+def arun(coro: Awaitable[None]) -> None:
+    with asyncio.Runner(loop_factory=loop_factory(_LOOP["kind"])) as runner:
+        runner.run(coro)  # type: ignore[arg-type]
 
 
 def run(coro_fn: Callable[[RawServer], Awaitable[None]]) -> None:
@@ -129,7 +185,7 @@ def run(coro_fn: Callable[[RawServer], Awaitable[None]]) -> None:
         async with RawServer() as srv:
             await asyncio.wait_for(coro_fn(srv), 60)
 
-    asyncio.run(go())
+    arun(go())
 
 
 def test_keep_alive_one_connection_for_sequential_requests_with_the_api_key() -> None:
@@ -225,7 +281,7 @@ def test_a_reply_cut_short_is_retryable_with_no_status() -> None:
             with pytest.raises(RetryableError) as cut:
                 await sglang.complete(client, "/half", {})
             assert cut.value.status_code is None
-            assert not isinstance(cut.value.__cause__, _NOT_SENT)  # it was sent: a server death strikes it
+            assert not isinstance(cut.value.__cause__, http1.ConnectFailed)  # it was sent: a death strikes it
             await sglang.complete(client, "/ok", {})
         finally:
             await client.aclose()
@@ -240,7 +296,7 @@ def test_read_timeout_is_retryable_and_closes_the_connection() -> None:
             with pytest.raises(RetryableError) as slow:
                 await sglang.complete(client, "/hang", {})
             assert slow.value.status_code is None
-            assert not isinstance(slow.value.__cause__, _NOT_SENT)
+            assert not isinstance(slow.value.__cause__, http1.ConnectFailed)
             await asyncio.wait_for(srv.closed_by_client.wait(), 10)  # the server sees the client leave
         finally:
             await client.aclose()
@@ -281,22 +337,137 @@ def test_connection_refused_is_retryable_and_known_as_never_sent() -> None:
             finally:
                 await client.aclose()
             assert refused.value.status_code is None
-            assert isinstance(refused.value.__cause__, _NOT_SENT)
+            assert isinstance(refused.value.__cause__, http1.ConnectFailed)
 
-        asyncio.run(go())
+        arun(go())
 
 
-def test_control_plane_requests_still_go_through_httpx() -> None:
+def test_metrics_health_and_generations_go_through_one_client_on_one_connection() -> None:
     async def go(srv: RawServer) -> None:
         async with sglang.make_client(srv.url, api_key="k", timeout_s=30, max_connections=4) as client:
-            resp = await client.post("/ok", content=b"{}")
-            assert resp.status_code == 200
+            assert await client.get("/metrics", timeout_s=5) == (200, b"sglang:num_running_reqs 3.0\n")
             await sglang.complete(client, "/ok", {})
-        assert srv.requests[0]["authorization"] == "Bearer k"
-        assert srv.requests[0]["user-agent"].startswith("python-httpx")
-        assert not srv.requests[1]["user-agent"].startswith("python-httpx")
+            assert await client.get("/health_generate", timeout_s=5) == (200, b"")
+        assert [(r[":method"], r[":path"], r[":conn"]) for r in srv.requests] == [
+            ("GET", "/metrics", "1"), ("POST", "/ok", "1"), ("GET", "/health_generate", "1")]
+        assert all(r["authorization"] == "Bearer k" and r["user-agent"] == "batchfleet" for r in srv.requests)
+        assert "content-type" not in srv.requests[0] and "content-length" not in srv.requests[0]
 
     run(go)
+
+
+def test_a_control_request_times_out_on_its_own_timeout_and_closes_its_connection() -> None:
+    async def go(srv: RawServer) -> None:
+        async with sglang.make_client(srv.url, timeout_s=3600, max_connections=4) as client:
+            with pytest.raises(TimeoutError):
+                await client.get("/hang", timeout_s=0.3)
+            await asyncio.wait_for(srv.closed_by_client.wait(), 10)
+
+    run(go)
+
+
+def test_a_204_or_304_reply_with_a_content_length_ends_at_its_head() -> None:
+    """These statuses have no body whatever they declare: the reply must not wait for 7 bytes that
+    never come (until the request timeout, an hour by default)."""
+
+    async def go(srv: RawServer) -> None:
+        pool = http1.Http1Pool(srv.url, max_connections=4, timeout_s=5)
+        try:
+            assert await asyncio.wait_for(pool.post("/no-content", b"{}"), 3) == (204, b"")
+            assert await asyncio.wait_for(pool.post("/not-modified", b"{}"), 3) == (304, b"")
+            assert await pool.post("/ok", b"{}") == (200, REPLY)
+        finally:
+            await pool.aclose()
+        assert [r[":conn"] for r in srv.requests] == ["1", "1", "1"]  # kept alive throughout
+
+    run(go)
+
+
+def test_a_body_read_until_close_is_cut_short_by_a_reset() -> None:
+    """Only a clean close (FIN) ends a body that has no length; a reset means the reply is incomplete."""
+
+    async def go(srv: RawServer) -> None:
+        pool = http1.Http1Pool(srv.url, max_connections=4, timeout_s=30)
+        try:
+            with pytest.raises(http1.ServerClosed):
+                await pool.post("/until-reset", b"{}")
+            assert await pool.post("/until-close", b"{}") == (200, REPLY)  # a clean close still ends one
+        finally:
+            await pool.aclose()
+
+    run(go)
+
+
+def test_duplicate_content_lengths_are_refused_and_close_the_connection() -> None:
+    """Two Content-Length headers: the last one used to win. llhttp refuses them even when they agree,
+    which RFC 9110 §8.6 allows (a recipient MAY reject them); uvicorn never sends two."""
+
+    async def go(srv: RawServer) -> None:
+        pool = http1.Http1Pool(srv.url, max_connections=4, timeout_s=5)
+        try:
+            with pytest.raises(http1.ReplyError, match="Duplicate Content-Length"):
+                await pool.post("/content-lengths", b"{}")
+            with pytest.raises(http1.ReplyError, match="Duplicate Content-Length"):
+                await pool.post("/content-lengths-same", b"{}")
+            assert await pool.post("/ok", b"{}") == (200, REPLY)
+        finally:
+            await pool.aclose()
+        assert [r[":conn"] for r in srv.requests] == ["1", "2", "3"]
+
+    run(go)
+
+
+def test_a_reply_with_both_content_length_and_transfer_encoding_is_refused_and_its_connection_closed() -> None:
+    """The framing is ambiguous (response splitting): the connection must not be used again."""
+
+    async def go(srv: RawServer) -> None:
+        pool = http1.Http1Pool(srv.url, max_connections=4, timeout_s=5)
+        try:
+            with pytest.raises(http1.ReplyError, match="Content-Length"):
+                await pool.post("/length-and-chunked", b"{}")
+            assert await pool.post("/ok", b"{}") == (200, REPLY)
+        finally:
+            await pool.aclose()
+        assert [r[":conn"] for r in srv.requests] == ["1", "2"]
+
+    run(go)
+
+
+def test_a_chunk_not_followed_by_crlf_is_refused() -> None:
+    async def go(srv: RawServer) -> None:
+        pool = http1.Http1Pool(srv.url, max_connections=4, timeout_s=5)
+        try:
+            with pytest.raises(http1.ReplyError, match="LF after chunk"):
+                await pool.post("/chunk-without-crlf", b"{}")
+        finally:
+            await pool.aclose()
+
+    run(go)
+
+
+def test_a_chunked_reply_costs_work_in_proportion_to_its_chunks() -> None:
+    """Each packet of a chunked reply is parsed once: 4x the chunks, about 4x the function calls (a
+    parser that re-read every chunk from the head on each packet made 4x the chunks cost ~16x)."""
+
+    def calls(n: int) -> int:
+        prof = cProfile.Profile()
+
+        async def go(srv: RawServer) -> None:
+            pool = http1.Http1Pool(srv.url, max_connections=1, timeout_s=30)
+            try:
+                await pool.post("/ok", b"{}")  # the connection open before counting
+                prof.enable()
+                reply = await pool.post(f"/chunks-{n}", b"{}")
+                prof.disable()
+                assert reply == (200, b"x" * n)
+            finally:
+                await pool.aclose()
+
+        run(go)
+        return pstats.Stats(prof).total_calls  # type: ignore[attr-defined]
+
+    few, many = calls(300), calls(1200)
+    assert many < 6 * few, (few, many)
 
 
 def test_a_kept_connection_the_server_closes_as_the_request_arrives_is_retried_once_on_a_new_one() -> None:
@@ -328,7 +499,7 @@ def test_a_kept_connection_closed_by_a_server_that_is_then_gone_may_have_held_th
             await client.aclose()
         assert gone.value.status_code is None
         assert isinstance(gone.value.__cause__, http1.ServerClosed)
-        assert not isinstance(gone.value.__cause__, _NOT_SENT)
+        assert not isinstance(gone.value.__cause__, http1.ConnectFailed)
         assert [r[":path"] for r in srv.requests] == ["/ok", "/drop-if-reused-and-stop"]
 
     run(go)
@@ -406,7 +577,7 @@ def test_a_cancellation_that_arrives_as_a_connect_fails_is_not_swallowed() -> No
             del loop.create_connection
             await pool.aclose()
 
-    asyncio.run(go())
+    arun(go())
 
 
 def test_an_error_answer_keeps_the_servers_json_body() -> None:

@@ -154,7 +154,7 @@ def test_a_job_of_another_run_is_refused_loudly_not_misfiled(r, redis_url):
 def test_a_server_death_strikes_only_the_prompts_inside_it(r, redis_url):
     """c0, c1: sent, no answer yet (inside the server when it dies); c2: answered 503, waiting to retry;
     c3: never reached it (connection refused). Only c0 and c1 get a strike."""
-    import httpx
+    from batchfleet.http1 import ConnectFailed
 
     enqueue(r, 4)
     k = Keys("t")
@@ -169,9 +169,9 @@ def test_a_server_death_strikes_only_the_prompts_inside_it(r, redis_url):
                 raise RetryableError("HTTP 503: The request queue is full.", status_code=503)
             if prompt.cid == "c3":
                 try:
-                    raise httpx.ConnectError("connection refused")
-                except httpx.ConnectError as exc:
-                    raise RetryableError(f"ConnectError: {exc}") from exc
+                    raise ConnectFailed("cannot connect to 127.0.0.1:9: connection refused")
+                except ConnectFailed as exc:
+                    raise RetryableError(f"ConnectFailed: {exc}") from exc
             await asyncio.Event().wait()  # inside the server until it dies
             raise AssertionError("unreachable")
 

@@ -65,7 +65,7 @@ class GPUWorker(BaseWorker):
     def work(self, burst: bool = False, logging_level: str | None = "INFO", date_format: str = "%H:%M:%S",
              log_format: str = "%(asctime)s %(name)s %(levelname)s %(message)s", **_: Any) -> bool:
         # RQ's bootstrap gives its own loggers a handler; batchfleet's get one here (not the root
-        # logger, which would print RQ's lines twice and httpx's line per request).
+        # logger, which would print RQ's lines twice).
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(log_format, datefmt=date_format))
         ours = logging.getLogger("batchfleet")

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from enum import Enum, Flag
 from typing import Any, Protocol
 
-import httpx
 import redis
 
 from batchfleet.config import Config
@@ -65,9 +64,8 @@ __all__ = ["Backend", "Dispatcher", "Flight", "FlightState", "Mode"]
 log = logging.getLogger("batchfleet.worker.dispatcher")
 
 # A request that failed with one of these never reached the server (nothing to strike it for): no
-# connection, or none free in time (httpx, when a backend posts through plain httpx; http1 for the
-# worker's generations, see batchfleet.sglang).
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, ConnectFailed)
+# connection could be opened (batchfleet.http1, under batchfleet.sglang's client).
+_NOT_SENT = (ConnectFailed,)
 LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
 # While part of the surplus still waits in the server, the claim loop gathers free slots before it
 # claims, until half the surplus is used up or for at most this long: one Redis call for several

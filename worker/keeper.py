@@ -19,7 +19,6 @@ import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 
-import httpx
 import redis
 
 from batchfleet import sglang
@@ -62,7 +61,7 @@ class ServerKeeper:
         self.publish = publish
         self.state = WorkerState.STARTING
         self.message = ""
-        self.http: httpx.AsyncClient | None = None
+        self.http: sglang.SGLangClient | None = None
         self.deaths = 0  # server deaths (exits and hangs) while serving
         self._failures = 0  # start failures in a row
         self._death: ServerDied | None = None

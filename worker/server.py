@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import IO
 
-import httpx
 import orjson
 
 from batchfleet import sglang
@@ -108,10 +107,10 @@ class SGLangServer:
                     raise ServerStartError(f"gpu{self.gpu}: server failed to start: {fatal}", log_tail=self.log_tail())
                 try:
                     # Ready means a real generation went through, not merely an open port.
-                    resp = await client.get("/health_generate")
-                    if resp.status_code == 200:
+                    status, _ = await client.get("/health_generate", timeout_s=30.0)
+                    if status == 200:
                         return
-                except httpx.HTTPError:
+                except (ConnectionError, TimeoutError):
                     pass
                 if time.monotonic() > deadline:
                     await self.stop()
@@ -126,7 +125,7 @@ class SGLangServer:
         async with self._client(timeout_s=30.0) as client:
             try:
                 info = await sglang.get_server_info(client)
-            except (httpx.HTTPError, Exception) as exc:
+            except Exception as exc:  # the pool's errors, a status, a body: the log still says it
                 log.warning("gpu%d: server_info unavailable (%s); reading the start-up log", self.gpu, exc)
         log_text = self._log_since_start()
         capacity = sglang.effective_capacity(info) or sglang.capacity_from_log(log_text)
@@ -202,17 +201,17 @@ class SGLangServer:
             self._drain_log(timeout_s=2.0)  # its last lines (the reason it died) into the log first
             raise cls(f"gpu{self.gpu}: server exited with status {code}", log_tail=self.log_tail())
 
-    async def check_health(self, client: httpx.AsyncClient, *, timeout_s: float = 30.0) -> None:
+    async def check_health(self, client: sglang.SGLangClient, *, timeout_s: float = 30.0) -> None:
         """Raise ServerDied if the process is gone or cannot generate (a hung server keeps its port
         open and answers /ready, so health is judged by generation)."""
         self.check_alive()
         try:
-            resp = await client.get("/health_generate", timeout=timeout_s)
-        except httpx.HTTPError as exc:
+            status, _ = await client.get("/health_generate", timeout_s=timeout_s)
+        except (ConnectionError, TimeoutError) as exc:
             self.check_alive()
             raise ServerDied(f"gpu{self.gpu}: /health_generate failed: {type(exc).__name__}") from exc
-        if resp.status_code != 200:
-            raise ServerDied(f"gpu{self.gpu}: /health_generate answered {resp.status_code}")
+        if status != 200:
+            raise ServerDied(f"gpu{self.gpu}: /health_generate answered {status}")
 
     # --- logs ------------------------------------------------------------------------------------
     def _drain_log(self, timeout_s: float = 5.0) -> None:
@@ -238,7 +237,7 @@ class SGLangServer:
     def log_tail(self, lines: int = 25) -> str:
         return "\n".join(self._log_since_start().splitlines()[-lines:])
 
-    def _client(self, *, timeout_s: float) -> httpx.AsyncClient:
+    def _client(self, *, timeout_s: float) -> sglang.SGLangClient:
         return sglang.make_client(self.url, api_key=self.config.server_api_key, timeout_s=timeout_s,
                                   max_connections=4)
 

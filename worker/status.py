@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-import httpx
 import redis
 import redis.asyncio as aioredis
 
@@ -52,7 +51,7 @@ class StatusReporter:
     record, and beat RQ's worker heartbeat (so `rq info` keeps listing this worker)."""
 
     def __init__(self, publisher: StatusPublisher, meter: ThroughputMeter, *, interval_s: float,
-                 http: Callable[[], httpx.AsyncClient | None], server_running: Callable[[], bool],
+                 http: Callable[[], sglang.SGLangClient | None], server_running: Callable[[], bool],
                  rq_heartbeat: Callable[[], object]) -> None:
         self.publisher = publisher
         self.meter = meter
@@ -86,15 +85,15 @@ class StatusReporter:
             await asyncio.sleep(self.interval_s)
 
 
-async def scrape_metrics(client: httpx.AsyncClient) -> ServerMetrics:
+async def scrape_metrics(client: sglang.SGLangClient) -> ServerMetrics:
     """The server's own gauges from /metrics (empty when metrics are off or the server is busy)."""
     try:
-        resp = await client.get("/metrics", timeout=5.0)
-    except httpx.HTTPError:
+        status, body = await client.get("/metrics", timeout_s=5.0)
+    except (ConnectionError, TimeoutError):
         return ServerMetrics()
-    if resp.status_code != 200:
+    if status != 200:
         return ServerMetrics()
-    return replace(sglang.parse_metrics(resp.text), ts=time.time())
+    return replace(sglang.parse_metrics(body.decode("utf-8", errors="replace")), ts=time.time())
 
 
 HOST = socket.gethostname()

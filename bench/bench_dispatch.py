@@ -7,14 +7,19 @@
    - RQ's SimpleWorker: one job at a time, the job POSTs through a keep-alive httpx.Client;
    - a bare httpx loop: C coroutines POSTing through one httpx.AsyncClient, no Redis at all: the
      ceiling httpx allows with the same concurrency;
-   - a bare aiohttp loop, the same through one aiohttp session: the ceiling of the client the worker
-     now uses for generations;
-   - a bare http1 loop, the same through `batchfleet.http1.Http1Pool` (a bare asyncio-protocol
-     HTTP/1.1 client): the transport the worker's generation requests go through;
+   - a bare aiohttp loop, the same through one aiohttp session with its defaults;
+   - a bare tuned-aiohttp loop: the same session tuned for one server and JSON POSTs (no cookie jar,
+     no auto headers or decompression, a prebuilt URL, keep-alive below the server's 5 s): the other
+     road for the worker's client;
+   - a bare http1 loop, the same through `batchfleet.http1.Http1Pool` (a keep-alive pool on a bare
+     asyncio protocol, replies parsed by httptools): the worker's HTTP client;
    - batchfleet's dispatcher: Redis claim/finish (batched Lua) + the worker's SGLang client
-     (`batchfleet.sglang.make_client` / `complete`, as the worker's keeper calls them).
-   The bare loops and the dispatcher run interleaved, --rounds times each; the best and the median are
-   printed (the machine is shared: the best is the least disturbed).
+     (`batchfleet.sglang.make_client` / `complete`, as the worker's keeper calls them), and the same
+     dispatcher with tuned aiohttp under `complete` instead (the other road, end to end).
+   With --baseline-checkout DIR, also that checkout's own bare http1 loop and dispatcher (an older
+   version, run with DIR's code in the same run).
+   The contenders run interleaved, --rounds times each; the best and the median are printed (the
+   machine is shared: the best is the least disturbed).
 2. Paced: the instant server runs C requests at once for C / --paced-rate s each (a GPU that finishes
    that many prompts per second); CPU microseconds per prompt at that rate, bare loops vs dispatcher,
    sustained (after the first fifth of the prompts: connections open, the surplus grown) and over the
@@ -28,7 +33,7 @@
     python bench/bench_dispatch.py [--jobs 20000] [--baseline-jobs 2000] [--concurrency 128] [--rounds 3]
                                    [--paced-rate 1000] [--paced-jobs 10000] [--paced-step-s 0.02,0]
                                    [--memory-jobs 100000] [--only ceiling,paced,memory] [--profile out.prof]
-                                   [--loop auto|uvloop|asyncio] [--baseline-checkout DIR]
+                                   [--loop auto|uvloop|asyncio] [--baseline-checkout DIR] [--no-httpx]
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 from batchfleet import sglang  # noqa: E402
 from batchfleet.config import EVENT_LOOPS, Config  # noqa: E402
+from batchfleet.errors import RetryableError  # noqa: E402
 from batchfleet.keys import Keys  # noqa: E402
 from bench.instant import instant_backend  # noqa: E402
 from bench.redisproc import PrivateRedis  # noqa: E402
@@ -184,6 +190,44 @@ async def child_aiohttp(server_url: str, n: int, concurrency: int) -> dict[str, 
         await session.close()
 
 
+Post = Callable[[str, bytes], Awaitable[tuple[int, bytes]]]
+
+
+def tuned_aiohttp(server_url: str, connections: int) -> tuple[Any, Post]:
+    """An aiohttp session tuned for the worker's traffic, and its post(path, body) -> (status, body): no
+    cookie jar, no User-Agent/Accept-Encoding or decompression, URLs built once (no parsing per
+    request), keep-alive given up at 4 s (the server's is 5 s), no total timeout (a read timeout)."""
+    import aiohttp
+    import yarl
+
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=0, keepalive_timeout=4.0,
+                                       ttl_dns_cache=None),
+        timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=60.0),
+        cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, trust_env=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        headers={"Content-Type": "application/json", "Accept": "application/json"})
+    urls: dict[str, Any] = {}
+
+    async def post(path: str, body: bytes) -> tuple[int, bytes]:
+        url = urls.get(path)
+        if url is None:
+            url = urls[path] = yarl.URL(server_url + path, encoded=True)
+        async with session.post(url, data=body) as resp:
+            return resp.status, await resp.read()
+
+    return session, post
+
+
+async def child_aiohttp_tuned(server_url: str, n: int, concurrency: int) -> dict[str, float]:
+    """The same loop through tuned aiohttp (`tuned_aiohttp`)."""
+    session, post = tuned_aiohttp(server_url, concurrency + 4)
+    try:
+        return await bare_loop(lambda body: post(URL_PATH, body), n, concurrency)
+    finally:
+        await session.close()
+
+
 async def child_http1(server_url: str, n: int, concurrency: int) -> dict[str, float]:
     """The same loop through `batchfleet.http1.Http1Pool`, the transport under the worker's SGLang
     client: the ceiling the dispatcher can reach."""
@@ -196,11 +240,31 @@ async def child_http1(server_url: str, n: int, concurrency: int) -> dict[str, fl
         await client.aclose()
 
 
-async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurrency: int) -> dict[str, float]:
+class AiohttpClient:
+    """`sglang.complete`'s client on tuned aiohttp: what the worker would run on the other road."""
+
+    def __init__(self, server_url: str, connections: int) -> None:
+        self.session, self._post = tuned_aiohttp(server_url, connections)
+
+    async def post_generation(self, url: str, payload: bytes) -> tuple[int, bytes]:
+        import aiohttp
+
+        try:
+            return await self._post(url, payload)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        await self.session.close()
+
+
+async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurrency: int,
+                     transport: str = "http1") -> dict[str, float]:
     config = Config(run=run, redis_url=redis_url, queues=("gpu0",))
     client = aioredis.from_url(redis_url)
     ledger = Ledger(client, Keys(run), worker="bench", lease_ttl_s=config.lease_ttl_s)
-    http = sglang.make_client(server_url, timeout_s=60.0, max_connections=concurrency + 4)
+    http: Any = (sglang.make_client(server_url, timeout_s=60.0, max_connections=concurrency + 4)
+                 if transport == "http1" else AiohttpClient(server_url, concurrency + 4))
 
     async def backend(prompt: Any) -> dict[str, Any]:  # what the worker's ServerKeeper.generate does
         return await sglang.complete(http, prompt.url, prompt.body)
@@ -209,7 +273,7 @@ async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurre
     d = Dispatcher(ledger, backend, config=config, worker="bench", queues=lambda: ["gpu0"], on_completion=steady.tick)
     await d.set_capacity(concurrency)  # as the keeper does once its server is up (capacity + surplus)
     await client.ping()
-    await http.post(URL_PATH, content=b"{}")
+    await http.post_generation(URL_PATH, b"{}")  # the first connection before the clock starts
     d.resume()
     flusher = asyncio.create_task(ledger.run_flusher())
     t0, c0 = time.perf_counter(), cpu_s()
@@ -226,7 +290,8 @@ async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurre
 
 def child_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("simpleworker", "httpx", "aiohttp", "http1", "ours"))
+    ap.add_argument("mode", choices=("simpleworker", "httpx", "aiohttp", "aiohttp-tuned", "http1", "ours",
+                                     "ours-aiohttp"))
     ap.add_argument("--redis-url", default="")
     ap.add_argument("--server-url", default="")
     ap.add_argument("--run", default="dispatch")
@@ -250,10 +315,13 @@ def child_main(argv: list[str]) -> None:
             out = runner.run(child_httpx(a.server_url, a.n, a.concurrency))
         elif a.mode == "aiohttp":
             out = runner.run(child_aiohttp(a.server_url, a.n, a.concurrency))
+        elif a.mode == "aiohttp-tuned":
+            out = runner.run(child_aiohttp_tuned(a.server_url, a.n, a.concurrency))
         elif a.mode == "http1":
             out = runner.run(child_http1(a.server_url, a.n, a.concurrency))
         else:
-            out = runner.run(child_ours(a.redis_url, a.server_url, a.run, a.n, a.concurrency))
+            out = runner.run(child_ours(a.redis_url, a.server_url, a.run, a.n, a.concurrency,
+                                        "aiohttp" if a.mode == "ours-aiohttp" else "http1"))
         out["loop"] = type(runner.get_loop()).__module__.split(".")[0]
     if prof is not None:
         prof.disable()
@@ -312,7 +380,8 @@ def run_checkout_child(checkout: Path, *args: str) -> dict[str, float]:
     python = checkout / ".venv" / "bin" / "python"
     done = subprocess.run([str(python if python.exists() else sys.executable),
                            str(checkout / "bench" / "bench_dispatch.py"), "--child", *args], cwd=checkout,
-                          capture_output=True, text=True, timeout=1800)
+                          capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})  # nothing written into it
     if done.returncode != 0:
         raise RuntimeError(f"child of {checkout} failed:\n{done.stdout}\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -336,14 +405,17 @@ def enqueue_simpleworker(url: str, n: int) -> None:
 
 
 def measure_ours(url: str, server: InstantServer, n: int, concurrency: int, workdir: Path, run: str,
-                 profile: str = "", loop: str = "") -> dict[str, float]:
+                 profile: str = "", loop: str = "", mode: str = "ours",
+                 checkout: Path | None = None) -> dict[str, float]:
+    """One dispatcher run (`mode` ours or ours-aiohttp; another checkout's with `checkout`) over n
+    prompts enqueued afresh."""
     redis.Redis.from_url(url).flushall()
     enqueue_ours(url, n, workdir, run, max_tokens=1)
     extra = ["--profile", profile] if profile else []
     if loop:
         extra += ["--loop", loop]
-    return run_child("ours", "--redis-url", url, "--server-url", server.url, "--run", run, "-n", str(n),
-                     "-c", str(concurrency), *extra)
+    args = (mode, "--redis-url", url, "--server-url", server.url, "--run", run, "-n", str(n), "-c", str(concurrency))
+    return run_checkout_child(checkout, *args, *extra) if checkout else run_child(*args, *extra)
 
 
 def rate(m: dict[str, float]) -> float:
@@ -363,40 +435,46 @@ def line(name: str, ms: list[dict[str, float]]) -> str:
 
 def bench_ceiling(url: str, workdir: Path, args: argparse.Namespace) -> None:
     c = args.concurrency
-    bare: list[dict[str, float]] = []
-    aio: list[dict[str, float]] = []
-    h1: list[dict[str, float]] = []
-    ours: list[dict[str, float]] = []
+    keys = ("httpx", "aiohttp", "aiohttp-tuned", "http1", "old-http1", "ours", "ours-aiohttp", "older")
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in keys}
+    old = args.baseline_checkout
     with InstantServer() as server:
         redis.Redis.from_url(url).flushall()
         enqueue_simpleworker(url, args.baseline_jobs)
         sw = run_child("simpleworker", "--redis-url", url, "-n", str(args.baseline_jobs),
                        env={"BENCH_INSTANT_URL": server.url})
         for i in range(args.rounds):
-            bare.append(run_child("httpx", "--server-url", server.url, "-n", str(args.jobs), "-c", str(c)))
-            aio.append(run_child("aiohttp", "--server-url", server.url, "-n", str(args.jobs), "-c", str(c)))
-            h1.append(run_child("http1", "--server-url", server.url, "-n", str(args.jobs), "-c", str(c)))
-            ours.append(measure_ours(url, server, args.jobs, c, workdir, f"ceiling{i}",
-                                     args.profile if i == args.rounds - 1 else ""))
+            bare = ("--server-url", server.url, "-n", str(args.jobs), "-c", str(c))
+            for mode in ("httpx", "aiohttp", "aiohttp-tuned", "http1"):
+                if mode != "httpx" or not args.no_httpx:
+                    runs[mode].append(run_child(mode, *bare))
+            runs["ours"].append(measure_ours(url, server, args.jobs, c, workdir, f"ceiling{i}",
+                                             args.profile if i == args.rounds - 1 else ""))
+            runs["ours-aiohttp"].append(measure_ours(url, server, args.jobs, c, workdir, f"ceilingaio{i}",
+                                                     mode="ours-aiohttp"))
+            if old:
+                runs["old-http1"].append(run_checkout_child(old, "http1", *bare))
+                runs["older"].append(measure_ours(url, server, args.jobs, c, workdir, f"ceilingold{i}", checkout=old))
+    ours = runs["ours"]
     print(f"HTTP dispatch ceiling: one process, instant HTTP server (own process), max_tokens 1, {c} in flight; "
           f"event loop: {ours[-1]['loop']}")
     print(line("RQ SimpleWorker (httpx.Client)", [sw]))
-    print(line(f"bare httpx loop ({c} coroutines)", bare))
-    print(line(f"bare aiohttp loop ({c} coroutines)", aio))
-    print(line(f"bare http1 loop ({c} coroutines)", h1))
-    print(line("batchfleet dispatcher", ours))
-    r_ours, r_bare, r_aio = max(map(rate, ours)), max(map(rate, bare)), max(map(rate, aio))
-    u_ours, u_bare, u_aio = min(map(us, ours)), min(map(us, bare)), min(map(us, aio))
+    names = {"httpx": "bare httpx loop", "aiohttp": "bare aiohttp loop (defaults)",
+             "aiohttp-tuned": "bare aiohttp loop (tuned)", "http1": "bare http1 loop (httptools)",
+             "old-http1": f"bare http1 loop of {old.name if old else ''}", "ours": "batchfleet dispatcher",
+             "ours-aiohttp": "dispatcher on tuned aiohttp", "older": f"dispatcher of {old.name if old else ''}"}
+    for key, name in names.items():
+        if runs[key]:
+            print(line(name, runs[key]))
+    r_ours, u_ours = max(map(rate, ours)), min(map(us, ours))
     print(f"  dispatcher / SimpleWorker        : {r_ours / rate(sw):9.1f}x prompts/s, "
           f"{us(sw) / u_ours:.1f}x less CPU per prompt")
-    print(f"  bare httpx / dispatcher          : {r_bare / r_ours:9.2f}x prompts/s, "
-          f"{u_ours / u_bare:.2f}x CPU per prompt (goal: within 1.3x; >= 3,000 prompts/s)")
-    print(f"  bare aiohttp / dispatcher        : {r_aio / r_ours:9.2f}x prompts/s, "
-          f"{u_ours / u_aio:.2f}x CPU per prompt (the client the dispatcher used before batchfleet.http1)")
-    print(f"  bare http1 / dispatcher          : {max(map(rate, h1)) / r_ours:9.2f}x prompts/s, "
-          f"{u_ours / min(map(us, h1)):.2f}x CPU per prompt (the transport the dispatcher uses)")
-    print(f"  bare http1 / bare aiohttp        : {max(map(rate, h1)) / r_aio:9.2f}x prompts/s, "
-          f"{min(map(us, h1)) / u_aio:.2f}x CPU per prompt")
+    for key in ("httpx", "aiohttp-tuned", "http1", "ours-aiohttp", "older"):
+        if runs[key]:
+            print(f"  dispatcher / {names[key]:<30}: {r_ours / max(map(rate, runs[key])):6.2f}x prompts/s, "
+                  f"{u_ours / min(map(us, runs[key])):.2f}x CPU per prompt (best)")
+    u_h1, u_tuned = min(map(us, runs["http1"])), min(map(us, runs["aiohttp-tuned"]))
+    print(f"  bare http1 / bare tuned aiohttp  : {u_h1 / u_tuned:.2f}x CPU per prompt (best)")
 
 
 def us_steady(m: dict[str, float]) -> float:
@@ -424,58 +502,60 @@ def bench_paced(url: str, workdir: Path, args: argparse.Namespace) -> None:
         paced_once(url, workdir, args, step_s)
 
 
+PACED_NAMES = {"httpx": "bare httpx loop", "aiohttp": "bare aiohttp loop (defaults)",
+               "aiohttp-tuned": "bare aiohttp loop (tuned)", "http1": "bare http1 loop (httptools)",
+               "old-http1": "bare http1 loop of {old}", "ours": "batchfleet dispatcher",
+               "older": "dispatcher of {old}", "ours-aiohttp": "dispatcher on tuned aiohttp",
+               "ours-std": "dispatcher, asyncio's own loop"}
+
+
 def paced_once(url: str, workdir: Path, args: argparse.Namespace, step_s: float) -> None:
     c, target = args.concurrency, args.paced_rate
-    bare: list[dict[str, float]] = []
-    aio: list[dict[str, float]] = []
-    h1: list[dict[str, float]] = []
-    ours: list[dict[str, float]] = []
-    ours_std: list[dict[str, float]] = []  # the dispatcher on the standard library's loop, when the worker's is not
-    older: list[dict[str, float]] = []  # another checkout's dispatcher (--baseline-checkout)
+    old: Path | None = args.baseline_checkout  # another checkout's bare http1 loop and dispatcher
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in PACED_NAMES}
     # A request ends at the first step end after its time is up: half a step later on average.
     delay_s = c / target - step_s / 2
     tag = f"s{int(step_s * 1000)}"
     with InstantServer(delay_s=delay_s, capacity=c, step_s=step_s) as server:
         for i in range(args.rounds):
-            if not args.paced_no_httpx:
-                bare.append(run_child("httpx", "--server-url", server.url, "-n", str(args.paced_httpx_jobs),
-                                      "-c", str(c)))
-            aio.append(run_child("aiohttp", "--server-url", server.url, "-n", str(args.paced_jobs), "-c", str(c)))
-            h1.append(run_child("http1", "--server-url", server.url, "-n", str(args.paced_jobs), "-c", str(c)))
-            ours.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"paced{tag}{i}"))
-            if ours[-1]["loop"] != "asyncio":
-                ours_std.append(measure_ours(url, server, args.paced_jobs, c, workdir, f"pacedstd{tag}{i}",
-                                             loop="asyncio"))
-            if args.baseline_checkout:
-                redis.Redis.from_url(url).flushall()
-                enqueue_ours(url, args.paced_jobs, workdir, f"pacedold{tag}{i}", max_tokens=1)
-                older.append(run_checkout_child(args.baseline_checkout, "ours", "--redis-url", url, "--server-url",
-                                                server.url, "--run", f"pacedold{tag}{i}", "-n", str(args.paced_jobs),
-                                                "-c", str(c)))
+            bare = ("--server-url", server.url, "-n", str(args.paced_jobs), "-c", str(c))
+            if not args.no_httpx:
+                runs["httpx"].append(run_child("httpx", "--server-url", server.url, "-n", str(args.paced_httpx_jobs),
+                                               "-c", str(c)))
+            for mode in ("aiohttp", "aiohttp-tuned", "http1"):
+                runs[mode].append(run_child(mode, *bare))
+            if old:
+                runs["old-http1"].append(run_checkout_child(old, "http1", *bare))
+            runs["ours"].append(measure_ours(url, server, args.paced_jobs, c, workdir, f"paced{tag}{i}"))
+            if old:  # right after ours: the two dispatchers see the machine alike
+                runs["older"].append(measure_ours(url, server, args.paced_jobs, c, workdir, f"pacedold{tag}{i}",
+                                                  checkout=old))
+            runs["ours-aiohttp"].append(measure_ours(url, server, args.paced_jobs, c, workdir, f"pacedaio{tag}{i}",
+                                                     mode="ours-aiohttp"))
+            if runs["ours"][-1]["loop"] != "asyncio":
+                runs["ours-std"].append(measure_ours(url, server, args.paced_jobs, c, workdir, f"pacedstd{tag}{i}",
+                                                     loop="asyncio"))
     how = (f"replies at the end of {step_s * 1000:g}-ms steps, several at once, as SGLang's scheduler ends requests"
            if step_s else "each reply alone, at its own time (the worst case: a wakeup per reply)")
+    ours = runs["ours"]
     print(f"paced: the server runs {c} at once, {c / target * 1000:.0f} ms each on average -> at most {target:,} "
           f"prompts/s; {how}; event loop: {ours[-1]['loop']}; sustained = after the first "
           f"{Steady.FRACTION:.0%} of the prompts")
-    if bare:
-        print(paced_line("bare httpx loop", bare))
-    print(paced_line("bare aiohttp loop", aio))
-    print(paced_line("bare http1 loop (batchfleet.http1)", h1))
-    print(paced_line("batchfleet dispatcher", ours) + f"; surplus {ours[-1].get('surplus', 0):.0f}")
-    if ours_std:
-        print(paced_line("dispatcher, asyncio's own loop", ours_std))
-        print(f"  dispatcher {ours[-1]['loop']} / asyncio loop    : {ratio(ours, ours_std)}")
-    if older:
-        print(paced_line(f"dispatcher of {args.baseline_checkout.name} (whole run)", older))
-        print(f"  dispatcher / {args.baseline_checkout.name:<22}: {min(map(us, ours)) / min(map(us, older)):5.2f}x "
-              f"(best), {statistics.median(map(us, ours)) / statistics.median(map(us, older)):.2f}x (median), "
-              "whole runs")
-    if bare:
-        print(f"  dispatcher / bare httpx            : {ratio(ours, bare)}")
-    print(f"  dispatcher / bare aiohttp          : {ratio(ours, aio)}")
-    print(f"  dispatcher / bare http1            : {ratio(ours, h1)} (the transport it uses)")
-    print(f"  goal: <= 150 µs at 1,000 prompts/s : {min(map(us_steady, ours)):.0f} µs (best), "
-          f"{statistics.median(map(us_steady, ours)):.0f} (median)")
+    names = {k: v.format(old=old.name if old else "") for k, v in PACED_NAMES.items()}
+    for key, name in names.items():
+        if runs[key]:
+            surplus = f"; surplus {ours[-1].get('surplus', 0):.0f}" if key == "ours" else ""
+            print(paced_line(name, runs[key]) + surplus)
+    if runs["older"]:
+        print(f"  dispatcher / {names['older']:<34}: {ratio(ours, runs['older'])} sustained; "
+              f"{min(map(us, ours)) / min(map(us, runs['older'])):.2f}x (best), "
+              f"{statistics.median(map(us, ours)) / statistics.median(map(us, runs['older'])):.2f}x (median) "
+              "whole runs (goal: <= 1.15x)")
+    for a, b in (("ours", "ours-aiohttp"), ("ours", "ours-std"), ("ours", "http1"), ("http1", "aiohttp-tuned"),
+                 ("http1", "aiohttp"), ("http1", "old-http1"), ("ours", "httpx")):
+        if runs[a] and runs[b]:
+            left = "dispatcher" if a == "ours" else "bare http1 loop"
+            print(f"  {left} / {names[b]:<{47 - len(left)}}: {ratio(runs[a], runs[b])}")
 
 
 async def run_dispatcher_inprocess(url: str, config: Config, capacity: int) -> tuple[float, int]:
@@ -535,7 +615,7 @@ def main() -> None:
     ap.add_argument("--paced-rate", type=int, default=1000)
     ap.add_argument("--paced-jobs", type=int, default=10000)
     ap.add_argument("--paced-httpx-jobs", type=int, default=3000, help="httpx cannot keep up: fewer")
-    ap.add_argument("--paced-no-httpx", action="store_true")
+    ap.add_argument("--no-httpx", action="store_true", help="leave the bare httpx loop out (slow: minutes)")
     ap.add_argument("--paced-step-s", default="0.02,0",
                     help="paced runs, one per value: the instant server ends requests at the end of steps this long "
                          "(0: each at its own time)")
@@ -543,8 +623,8 @@ def main() -> None:
     ap.add_argument("--only", default="ceiling,paced,memory")
     ap.add_argument("--profile", default="", help="cProfile the dispatcher's last ceiling run into this file")
     ap.add_argument("--baseline-checkout", type=Path, default=None,
-                    help="paced: also run the dispatcher of this checkout (e.g. `git worktree add /tmp/before REV`), "
-                         "with its own .venv if it has one, interleaved")
+                    help="also run this checkout's bare http1 loop and dispatcher (e.g. `git worktree add DIR REV`), "
+                         "with its own .venv if it has one, interleaved; nothing is written into it")
     ap.add_argument("--loop", default="auto", choices=EVENT_LOOPS,
                     help="event loop of every asyncio contender (default: the worker's, uvloop when installed)")
     args = ap.parse_args()

@@ -199,20 +199,30 @@ class Http1Pool:
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         """POST `body` (JSON) to `path` -> (status, reply body). Raises the errors drawn above."""
         return await self._request(b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
-            _path(path), self._post_prefix, len(body), body), self.timeout_s)
+            _path(path), self._post_prefix, len(body), body), self.timeout_s, bound_wait=False)
 
     async def get(self, path: str, *, timeout_s: float | None = None) -> tuple[int, bytes]:
         """GET `path` -> (status, reply body); `timeout_s` (default: the pool's) without a byte from the
-        server is a TimeoutError. Raises the errors drawn above."""
+        server is a TimeoutError, and so long without a free connection a ConnectFailed (a health check
+        must not wait behind generations for ever). Raises the errors drawn above."""
         return await self._request(b"GET %s HTTP/1.1\r\n%s" % (_path(path), self._get_prefix),
-                                   self.timeout_s if timeout_s is None else timeout_s)
+                                   self.timeout_s if timeout_s is None else timeout_s, bound_wait=True)
 
-    async def _request(self, request: bytes, timeout_s: float) -> tuple[int, bytes]:
+    async def _request(self, request: bytes, timeout_s: float, *, bound_wait: bool) -> tuple[int, bytes]:
         if self._closed:
             raise ConnectFailed("the client is closed")
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-        async with self._slot:
+        if bound_wait and self._slot.locked():
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._slot.acquire()
+            except TimeoutError:
+                raise ConnectFailed(f"no connection free within {timeout_s:g} s "
+                                    f"(all {self.max_connections} busy)") from None
+        else:
+            await self._slot.acquire()
+        try:
             conn, reused = self._take_idle(), True
             if conn is None:
                 conn, reused = await self._connect(), False
@@ -229,6 +239,8 @@ class Http1Pool:
                 raise ServerClosed(f"the server closed a kept-alive connection, then refused a new one ({exc})") \
                     from exc
             return await self._exchange(conn, request, timeout_s)
+        finally:
+            self._slot.release()
 
     def _take_idle(self) -> _Conn | None:
         now = time.monotonic()

@@ -366,6 +366,22 @@ def test_a_control_request_times_out_on_its_own_timeout_and_closes_its_connectio
     run(go)
 
 
+def test_a_health_check_does_not_wait_for_ever_behind_generations_that_hold_every_connection() -> None:
+    async def go(srv: RawServer) -> None:
+        async with sglang.make_client(srv.url, timeout_s=3600, max_connections=1) as client:
+            generation = asyncio.create_task(sglang.complete(client, "/hang", {}))
+            while not srv.requests:
+                await asyncio.sleep(0.01)
+            with pytest.raises(http1.ConnectFailed, match=r"no connection free within 0\.3 s"):
+                await client.get("/health_generate", timeout_s=0.3)
+            generation.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await generation
+            assert await client.get("/health_generate", timeout_s=5) == (200, b"")
+
+    run(go)
+
+
 def test_a_204_or_304_reply_with_a_content_length_ends_at_its_head() -> None:
     """These statuses have no body whatever they declare: the reply must not wait for 7 bytes that
     never come (until the request timeout, an hour by default)."""

@@ -46,7 +46,6 @@ class SGLangClient:
 
     def __init__(self, base_url: str, *, api_key: str, timeout_s: float, max_connections: int) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.base_url = base_url
         self.pool = Http1Pool(base_url, max_connections=max_connections, timeout_s=timeout_s,
                               connect_timeout_s=10.0, idle_s=GENERATION_KEEPALIVE_S, headers=headers)
 

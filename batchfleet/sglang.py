@@ -81,8 +81,8 @@ async def complete(client: SGLangClient, url: str, body: dict[str, Any]) -> dict
     """POST one OpenAI-shaped request; return the reply or raise PromptError/RetryableError.
 
     No HTTP answer -> RetryableError (status None); 200 with unreadable JSON -> RetryableError;
-    400/404/413/422 -> PromptError, with the server's reply body (parsed JSON, or None) as `body`;
-    any other status -> RetryableError."""
+    400/404/413/422 -> PromptError; any other status -> RetryableError. An error answer's body (its
+    JSON, or None) is the exception's `body`."""
     status, content = await client.post_generation(url, orjson.dumps(body))
     if status == 200:
         try:

@@ -230,6 +230,8 @@ def test_sglang_error_shapes_become_prompt_errors_with_their_body_or_retryable_e
                 await sglang.complete(client, path, body)
             assert full.value.status_code == 503
             assert str(full.value) == "HTTP 503: The request queue is full."
+            assert full.value.body == {"object": "error", "message": "The request queue is full.", "type": "503",
+                                       "param": None, "code": 503}
 
     run(server, go)
 

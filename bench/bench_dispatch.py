@@ -1,4 +1,4 @@
-"""Worker dispatch ceiling over real HTTP, worker CPU per prompt, and Redis memory, in one run.
+"""Worker dispatch over real HTTP (the ceiling, and paced at a GPU's rate): worker CPU per prompt, and Redis memory.
 
 1. HTTP dispatch ceiling: one worker process against an instant HTTP server (`bench/instant.py`, its
    own process, real sockets on loopback), max_tokens 1, C prompts in flight. Each contender runs in

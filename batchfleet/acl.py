@@ -41,20 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .keys import (
-    RQ_CLEAN_LOCK_PREFIX,
-    RQ_FAILED_PREFIX,
-    RQ_JOB_PREFIX,
-    RQ_PUBSUB_PREFIX,
-    RQ_QUEUE_PREFIX,
-    RQ_QUEUES,
-    RQ_RESULTS_PREFIX,
-    RQ_STARTED_PREFIX,
-    RQ_SUSPENDED,
-    RQ_WORKER_PREFIX,
-    RQ_WORKERS,
-    Keys,
-)
+from . import rqlayout
+from .keys import Keys
 from .redact import private_file
 
 __all__ = ["ROLES", "Role", "acl_file", "roles"]
@@ -92,11 +80,12 @@ class Role:
 def roles(run: str = "*") -> dict[str, Role]:
     """Every role's rules for run `run` (`*`: every run sharing this Redis)."""
     k = Keys(run)
-    rq_jobs = (RQ_QUEUE_PREFIX + "*", RQ_JOB_PREFIX + "*", RQ_STARTED_PREFIX + "*", RQ_FAILED_PREFIX + "*")
-    everything_of_run = (k.prefix + "*", "rq:*")
+    rq_jobs = tuple(p + "*" for p in (rqlayout.QUEUE_PREFIX, rqlayout.JOB_PREFIX, rqlayout.STARTED_PREFIX,
+                                      rqlayout.FAILED_PREFIX))
+    everything_of_run = (k.prefix + "*", rqlayout.NAMESPACE + "*")
     # `producer cancel` takes jobs out of the strike lists and leases too, and flags the cancel
-    feeder = Role("producer", write=(*rq_jobs, RQ_QUEUES, RQ_RESULTS_PREFIX + "*", k.meta, k.stats, k.done, k.results,
-                                     k.cancel, k.refeed, k.leases, k.strikes, k.suspects, k.isolate),
+    feeder = Role("producer", write=(*rq_jobs, rqlayout.QUEUES, rqlayout.RESULTS_PREFIX + "*", k.meta, k.stats, k.done,
+                                     k.results, k.cancel, k.refeed, k.leases, k.strikes, k.suspects, k.isolate),
                   read=everything_of_run, channels=(), commands=_DATA, lifetime=(k.prefix + "*",))
     return {
         "producer": feeder,
@@ -104,11 +93,12 @@ def roles(run: str = "*") -> dict[str, Role]:
                      lifetime=feeder.lifetime),
         "worker": Role(
             "worker",
-            write=(*rq_jobs, RQ_WORKER_PREFIX + "*", RQ_WORKERS, RQ_WORKERS + ":*", RQ_CLEAN_LOCK_PREFIX + "*",
-                   k.leases, k.done, k.results, k.stats, k.strikes, k.suspects, k.isolate, k.workers,
-                   k.status("*"), k.events, k.refeed, k.cancel),  # cancel: its acknowledgement field
-            read=(k.control, k.meta, RQ_QUEUES, RQ_SUSPENDED),
-            channels=(RQ_PUBSUB_PREFIX + "*",),
+            write=(*rq_jobs, rqlayout.WORKER_PREFIX + "*", rqlayout.WORKERS, rqlayout.WORKERS + ":*",
+                   rqlayout.CLEAN_LOCK_PREFIX + "*", k.leases, k.done, k.results, k.stats, k.strikes, k.suspects,
+                   k.isolate, k.workers, k.status("*"), k.events, k.refeed,
+                   k.cancel),  # cancel: its acknowledgement field
+            read=(k.control, k.meta, rqlayout.QUEUES, rqlayout.SUSPENDED),
+            channels=(rqlayout.PUBSUB_PREFIX + "*",),
             commands=(*_DATA, "+subscribe", "+unsubscribe")),
         "supervisor": Role("supervisor", write=(k.control, k.history, k.autopilot, k.events, k.workers),
                            read=everything_of_run, channels=(), commands=_DATA),

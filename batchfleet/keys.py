@@ -1,7 +1,10 @@
-"""Every Redis key batchfleet reads or writes, and every TTL. Nothing else builds key strings.
+"""Every Redis key batchfleet reads or writes, and every TTL. Nothing else builds key strings in
+Python; a Redis script gets every key in KEYS from here, but those of jobs it learns of inside, which
+one Lua helper per kind derives (`batchfleet.scripts`, `derives`).
 
-RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so that `rq info`,
-`rq requeue` and RQ's failed-job registry keep working; batchfleet's keys live under `bf:<run>:`.
+RQ's own keys (queues, job hashes, registries) are used as RQ lays them out (`batchfleet.rqlayout`)
+so that `rq info`, `rq requeue` and RQ's failed-job registry keep working; batchfleet's keys live
+under `bf:<run>:`.
 
 | key | type | written by | what |
 | --- | --- | --- | --- |
@@ -13,7 +16,7 @@ RQ's own keys (queues, job hashes, registries) are used as RQ lays them out so t
 | rq:results:<id> | stream | RQ | a stock RQ worker's record of a job it ran (deleted by `producer recover`) |
 | rq:worker:<name> | hash | RQ (worker) | RQ's worker registration (`rq info`); also sets rq:workers, rq:workers:<q> |
 | rq:pubsub:<name> | channel | RQ | RQ's commands to one worker (`shutdown`: drain, exit 75) |
-| bf:<run>:leases | zset | worker | "<job id>:<execution id>" -> expiry, Redis's clock (TIME); lapses if not renewed |
+| bf:<run>:leases | zset | worker | `rqlayout.execution_member` -> expiry, Redis's clock (TIME); lapses if not renewed |
 | bf:<run>:strikes | hash | worker | job id -> server deaths it was in (STRIKES_TTL_S; field gone when it finishes) |
 | bf:<run>:suspects | list | worker | queued job ids with 1 strike: a worker runs at most one beside its normal work |
 | bf:<run>:isolate | list | worker | queued job ids with 2 strikes: a worker reserves one, drains, and runs it alone |
@@ -56,22 +59,23 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["QUEUE_NAME_RE", "RQ_JOB_PREFIX", "RQ_QUEUES", "RQ_QUEUE_PREFIX", "Keys", "valid_queue_name"]
+# RQ's prefixes, as `batchfleet.rqlayout` defines them (re-exported under these names)
+from .rqlayout import CLEAN_LOCK_PREFIX as RQ_CLEAN_LOCK_PREFIX
+from .rqlayout import FAILED_PREFIX as RQ_FAILED_PREFIX
+from .rqlayout import JOB_PREFIX as RQ_JOB_PREFIX
+from .rqlayout import OTHER_REGISTRIES as RQ_OTHER_REGISTRIES
+from .rqlayout import PUBSUB_PREFIX as RQ_PUBSUB_PREFIX
+from .rqlayout import QUEUE_PREFIX as RQ_QUEUE_PREFIX
+from .rqlayout import QUEUES as RQ_QUEUES
+from .rqlayout import RESULTS_PREFIX as RQ_RESULTS_PREFIX
+from .rqlayout import STARTED_PREFIX as RQ_STARTED_PREFIX
+from .rqlayout import SUSPENDED as RQ_SUSPENDED
+from .rqlayout import WORKER_PREFIX as RQ_WORKER_PREFIX
+from .rqlayout import WORKERS as RQ_WORKERS
 
-RQ_QUEUE_PREFIX = "rq:queue:"
-RQ_JOB_PREFIX = "rq:job:"
-RQ_QUEUES = "rq:queues"
-RQ_STARTED_PREFIX = "rq:wip:"
-RQ_FAILED_PREFIX = "rq:failed:"
-RQ_RESULTS_PREFIX = "rq:results:"
-# RQ's keys batchfleet never builds names of, but which a Redis ACL must name (batchfleet.acl): a
-# worker's registration hash and indexes, its command channel, RQ's other registries and locks.
-RQ_WORKER_PREFIX = "rq:worker:"  # rq:worker:<name> (hash)
-RQ_WORKERS = "rq:workers"  # set of worker keys; rq:workers:<q> per queue
-RQ_PUBSUB_PREFIX = "rq:pubsub:"  # channel rq:pubsub:<worker name>: `rq.command.send_command`
-RQ_OTHER_REGISTRIES = ("rq:finished:", "rq:scheduled:", "rq:canceled:", "rq:deferred:")
-RQ_SUSPENDED = "rq:suspended"  # `rq suspend`
-RQ_CLEAN_LOCK_PREFIX = "rq:clean_registries:"
+__all__ = ["QUEUE_NAME_RE", "RQ_CLEAN_LOCK_PREFIX", "RQ_FAILED_PREFIX", "RQ_JOB_PREFIX", "RQ_OTHER_REGISTRIES",
+           "RQ_PUBSUB_PREFIX", "RQ_QUEUES", "RQ_QUEUE_PREFIX", "RQ_RESULTS_PREFIX", "RQ_STARTED_PREFIX", "RQ_SUSPENDED",
+           "RQ_WORKERS", "RQ_WORKER_PREFIX", "Keys", "valid_queue_name"]
 
 # What a queue name may hold (it becomes part of RQ's key names and of log lines).
 QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")

@@ -21,6 +21,7 @@ import pytest
 
 from batchfleet.keys import Keys
 from batchfleet.records import WorkerState, job_id_for
+from batchfleet.rqlayout import execution_job
 
 from .fleet import BIN, Fleet, expected_text, text_of, write_prompts
 
@@ -495,7 +496,7 @@ def test_workers_with_clocks_minutes_off_recover_nothing_early_and_nothing_late(
     for g in (0, 1):
         fleet.workers[g].wait(10)
     # Counted after the kill: a prompt the dead finished just before it is no victim (CI once saw 29 of "30").
-    held = {m.decode().rsplit(":", 1)[0] for m in fleet.r.zrange(fleet.k.leases, 0, -1)}
+    held = {execution_job(m) for m in fleet.r.zrange(fleet.k.leases, 0, -1)}
     # (A live worker's prompt can finish, and its job hash go, between the two reads: it is no victim.)
     victims = {jid for jid in held if (fleet.r.hget(Keys.job(jid), "worker_name") or b"").decode().split(".")[-2:-1]
                in (["gpu0"], ["gpu1"])}

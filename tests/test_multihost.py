@@ -16,6 +16,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from batchfleet.keys import Keys
+from batchfleet.rqlayout import execution_job
+
 from .fleet import expected_text, text_of, write_prompts
 from .hosts import BIN, ROOT, Lan
 
@@ -97,8 +100,8 @@ def fed_queues(out: str) -> set[str]:
 
 def held_by(lan: Lan, host: str) -> set[str]:
     """Job ids whose lease a worker of `host` holds now (RQ's job hash names the worker)."""
-    jids = {m.decode().rsplit(":", 1)[0] for m in lan.r.zrange(lan.k.leases, 0, -1)}
-    return {j for j in jids if (lan.r.hget(f"rq:job:{j}", "worker_name") or b"").decode().startswith(host + ".")}
+    jids = {execution_job(m) for m in lan.r.zrange(lan.k.leases, 0, -1)}
+    return {j for j in jids if (lan.r.hget(Keys.job(j), "worker_name") or b"").decode().startswith(host + ".")}
 
 
 def dropped_late(logs: str) -> int:

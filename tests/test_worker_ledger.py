@@ -14,7 +14,7 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from batchfleet.keys import FAILURE_TTL_S, Keys
 from batchfleet.records import Result
 from batchfleet.serializer import OrjsonSerializer
-from worker.ledger import Ledger, parse_job_data
+from worker.ledger import FINISH, Ledger, parse_job_data
 
 
 def enqueue(r, queue: str, n: int) -> list[str]:
@@ -226,16 +226,17 @@ def test_finishes_that_come_while_a_flush_writes_gather_into_the_next_call(r, re
     async def go():
         ledger = await _ledger(redis_url)
         claims = await ledger.claim(6, ["gpu0"])
-        real = ledger._finish
+        real = ledger.r.evalsha
         sizes: list[int] = []
 
-        async def finish_script(*, keys, args):
-            sizes.append((len(args) - 5) // 3)
-            if len(sizes) == 1:  # two more prompts finish while the first call is on its way
-                succeed(ledger, claims[4:])
-            return await real(keys=keys, args=args)
+        async def evalsha(sha, numkeys, *keys_and_args):
+            if sha == FINISH.sha:
+                sizes.append(numkeys - 5 - 2)  # five run keys, a job key per outcome, two registries
+                if len(sizes) == 1:  # two more prompts finish while the first call is on its way
+                    succeed(ledger, claims[4:])
+            return await real(sha, numkeys, *keys_and_args)
 
-        ledger._finish = finish_script
+        ledger.r.evalsha = evalsha
         succeed(ledger, claims[:4])
         await ledger.flush()
         after_first = list(sizes)
@@ -255,17 +256,17 @@ def test_a_flush_that_fails_keeps_every_outcome_for_the_next(r, redis_url):
     async def go():
         ledger = await _ledger(redis_url)
         claims = await ledger.claim(3, ["gpu0"])
-        real = ledger._finish
+        real = ledger.r.evalsha
         calls = 0
 
-        async def flaky(*, keys, args):
+        async def flaky(sha, *rest):
             nonlocal calls
-            calls += 1
+            calls += sha == FINISH.sha
             if calls == 1:
                 raise ConnectionError("Redis went away")
-            return await real(keys=keys, args=args)
+            return await real(sha, *rest)
 
-        ledger._finish = flaky
+        ledger.r.evalsha = flaky
         succeed(ledger, claims)
         with pytest.raises(ConnectionError):
             await ledger.flush()

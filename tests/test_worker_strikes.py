@@ -8,17 +8,18 @@ import asyncio
 import itertools
 import types
 from collections.abc import Iterator
-from datetime import UTC, datetime
 
 import fakeredis
 import orjson
 import pytest
 from fakeredis.commands_mixins import server_mixin
 
+from batchfleet import rqlayout
 from batchfleet.keys import Keys
 from batchfleet.records import Result
+from batchfleet.scripts import lua_helpers
 from worker import ledger as ledger_module
-from worker.ledger import _PRELUDE, MAX_STRIKES, Claim, ClaimKind, Ledger
+from worker.ledger import MAX_STRIKES, Claim, ClaimKind, Ledger
 
 K = Keys("t")
 
@@ -59,7 +60,7 @@ def where(r: fakeredis.FakeRedis, jid: str) -> str:
     places = []
     for name, key in (("queue", Keys.queue("gpu0")), ("suspects", K.suspects), ("isolate", K.isolate)):
         places += [name] * r.lrange(key, 0, -1).count(jid.encode())
-    if any(m.decode().startswith(jid + ":") for m in r.zrange(K.leases, 0, -1)):
+    if any(rqlayout.execution_job(m) == jid for m in r.zrange(K.leases, 0, -1)):
         places.append("leased")
     if r.hget(Keys.job(jid), "status") == b"failed":
         places.append("failed")
@@ -97,8 +98,7 @@ def test_lease_expiry_is_redis_time_plus_ttl_whatever_the_workers_clock(server, 
     assert [s for _, s in r.zrange(K.leases, 0, -1, withscores=True)] == [clock.now + 15] * 2
     # The started registry and the job's timestamps come from Redis's clock too.
     assert r.zrange(Keys.started("gpu0"), 0, -1, withscores=True)[0][1] == clock.now + 24 * 3600
-    stamp = datetime.fromtimestamp(clock.now, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    assert r.hget(Keys.job("j0"), "started_at").decode() == stamp
+    assert r.hget(Keys.job("j0"), "started_at").decode() == rqlayout.timestamp(clock.now)
 
 
 @pytest.mark.parametrize("elapsed", [0.0, 5.0, 14.999, 15.0, 15.001, 60.0])
@@ -263,10 +263,10 @@ def test_hand_back_that_raises_forgets_the_claim_so_its_lease_lapses(server, r, 
         ledger = await _ledger(server, ttl=10)
         (claim,) = await ledger.claim(1, ["gpu0"])
 
-        async def broken(**_):
+        async def broken(*_):
             raise ConnectionError("Redis went away")
 
-        ledger._release = broken  # the one call fails; nothing else is faked
+        ledger.r.evalsha = broken  # the one call fails; nothing else is faked
         with pytest.raises(ConnectionError):
             await ledger.hand_back([claim])
         assert ledger.held == {}  # no longer renewed
@@ -281,9 +281,8 @@ def test_hand_back_that_raises_forgets_the_claim_so_its_lease_lapses(server, r, 
 def test_iso_timestamps_match_python(ts):
     r = fakeredis.FakeRedis()
     s, us = int(ts), round((ts - int(ts)) * 1e6)
-    got = r.eval(_PRELUDE + "return iso(tonumber(ARGV[1]), tonumber(ARGV[2]))", 0, s, us).decode()
-    want = datetime.fromtimestamp(s, UTC).replace(microsecond=us).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    assert got == want
+    got = r.eval(lua_helpers("iso") + "return iso(tonumber(ARGV[1]), tonumber(ARGV[2]))", 0, s, us).decode()
+    assert got == rqlayout.timestamp(s + us / 1e6)
 
 
 def test_claim_dataclass_defaults():

@@ -2,12 +2,12 @@
 the strikes a server death gives the prompts that were inside it.
 
 A stock RQ worker spends ~16 round trips per job; here each operation is one Lua script call for a
-whole batch of jobs, atomic in Redis. Jobs stay in RQ's own structures (queues, job hashes, started
-and failed registries) so `rq info` and `rq requeue` keep working. What RQ lacks is a fast way to
-notice a dead worker (minutes), so every claimed job also holds a short lease in `Keys.leases`: a
-worker renews its leases every few seconds; any worker puts a lapsed lease's job back. A finish is
-accepted only while its lease is held, so a job recovered from a stalled worker can never produce
-two results.
+whole batch of jobs, atomic in Redis (`worker/lua/*.lua`, declared below). Jobs stay in RQ's own
+structures (queues, job hashes, started and failed registries) so `rq info` and `rq requeue` keep
+working. What RQ lacks is a fast way to notice a dead worker (minutes), so every claimed job also
+holds a short lease in `Keys.leases`: a worker renews its leases every few seconds; any worker puts a
+lapsed lease's job back. A finish is accepted only while its lease is held, so a job recovered from a
+stalled worker can never produce two results.
 
 **Clocks.** Every lease expiry, lapse decision and registry score is computed INSIDE the scripts
 from Redis's own `TIME`: workers on many hosts never compare their clocks with each other's. A
@@ -47,6 +47,7 @@ from batchfleet import keys
 from batchfleet.keys import Keys
 from batchfleet.prompts import MAX_BODY_BYTES
 from batchfleet.records import Result
+from batchfleet.scripts import Each, Script
 
 from .redislink import LINK
 
@@ -63,276 +64,31 @@ MAX_JOB_BYTES = MAX_BODY_BYTES + 64 * 1024  # a job's data, decompressed: the pr
 FLUSH_GATHER_S = 0.1
 FLUSH_GATHER_MAX = 200
 
-# Helpers every script starts with: Redis's clock, and RQ's timestamp format from it.
-_PRELUDE = """
-local function clock()
-  local t = redis.call('TIME')
-  return tonumber(t[1]), tonumber(t[2])
-end
-local function iso(s, us)  -- seconds since the epoch -> 2026-01-02T03:04:05.000006Z (RQ's format)
-  local days = math.floor(s / 86400)
-  local rem = s - days * 86400
-  local z = days + 719468
-  local era = math.floor(z / 146097)
-  local doe = z - era * 146097
-  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
-  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-  local mp = math.floor((5 * doy + 2) / 153)
-  local d = doy - math.floor((153 * mp + 2) / 5) + 1
-  local m = mp < 10 and mp + 3 or mp - 9
-  local y = yoe + era * 400 + (m <= 2 and 1 or 0)
-  return string.format('%04d-%02d-%02dT%02d:%02d:%02d.%06dZ', y, m, d, math.floor(rem / 3600),
-                       math.floor(rem % 3600 / 60), rem % 60, us)
-end
-"""
-
-# Put a job that is no longer running back where its strikes say (KEYS[3..5] = strikes, suspects,
-# isolate in every script that uses it).
-_REQUEUE = """
-local function requeue(jid, jkey, queue_key)
-  redis.call('HSET', jkey, 'status', 'queued')
-  local n = tonumber(redis.call('HGET', KEYS[3], jid) or '0')
-  if n >= 2 then
-    redis.call('LPUSH', KEYS[5], jid)
-  elseif n == 1 then
-    redis.call('LPUSH', KEYS[4], jid)
-  else
-    redis.call('LPUSH', queue_key, jid)
-  end
-end
-"""
-
-# KEYS = leases, suspects, isolate, <queue key>...
-# ARGV = n, member suffix, lease ttl, started-registry ttl, worker, job prefix, started prefix,
-#        take a suspect (0/1), take a prompt to run alone (0/1), <queue name>... (parallel to KEYS[4..])
-# -> flat (jid, origin, data, kind) per claimed job; a 'solo' claim comes alone.
-_CLAIM = _PRELUDE + """
-local s, us = clock()
-local now, now_iso = s + us / 1e6, iso(s, us)
-local n, suffix, ttl, sttl = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local worker, jpre, wpre = ARGV[5], ARGV[6], ARGV[7]
-local out, taken = {}, 0
-local function take(jid, fallback, kind)
-  local jkey = jpre .. jid
-  local f = redis.call('HMGET', jkey, 'data', 'origin', 'status')
-  -- deleted while queued (`rq empty`), or a stray copy of an id that runs or ran: skip it
-  if not f[1] or f[3] ~= 'queued' then return false end
-  local origin = f[2] or fallback
-  local member = jid .. suffix
-  redis.call('HSET', jkey, 'status', 'started', 'started_at', now_iso, 'last_heartbeat', now_iso,
-             'worker_name', worker)
-  redis.call('ZADD', wpre .. origin, now + sttl, member)
-  redis.call('ZADD', KEYS[1], now + ttl, member)
-  out[#out + 1] = jid; out[#out + 1] = origin; out[#out + 1] = f[1]; out[#out + 1] = kind
-  return true
-end
-local function pop_one(list, kind)
-  while true do
-    local jid = redis.call('LPOP', list)
-    if not jid then return false end
-    if take(jid, 'unknown', kind) then return true end
-  end
-end
-if ARGV[9] == '1' and pop_one(KEYS[3], 'solo') then return out end
-if n <= 0 then return out end
-if ARGV[8] == '1' and pop_one(KEYS[2], 'suspect') then taken = 1 end
-for i = 4, #KEYS do
-  if taken >= n then break end
-  local ids = redis.call('LPOP', KEYS[i], n - taken)
-  if ids then
-    for _, jid in ipairs(ids) do
-      if take(jid, ARGV[i + 6], 'normal') then taken = taken + 1 end
-    end
-  end
-end
-return out
-"""
-
-# KEYS = leases; ARGV = lease ttl, member... -> members whose lease is no longer held (recovered).
-_RENEW = _PRELUDE + """
-local s, us = clock()
-local expiry = s + us / 1e6 + tonumber(ARGV[1])
-local lost = {}
-for i = 2, #ARGV do
-  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
-    redis.call('ZADD', KEYS[1], expiry, ARGV[i])
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-return lost
-"""
-
-# KEYS = leases, results, done, stats, strikes
-# ARGV = member suffix, failed-registry ttl, job prefix, started prefix, failed prefix, then three per
-#        job: jid, "<s|f|r> <completion tokens> <bytes of exc_info> <origin>", exc_info .. result JSON
-#        (s: succeeded, no exc_info; f: failed; r: refused, no result). Three arguments, not six: a
-#        flush of 100 finishes costs the worker a third of the packing.
-# -> {stale jids, results stream length}
-_FINISH = _PRELUDE + """
-local s, us = clock()
-local now, now_iso = s + us / 1e6, iso(s, us)
-local suffix, fttl, jpre, wpre, fpre = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
-local OUTCOME = {s = 'succeeded', f = 'failed', r = 'refused'}
-local stale = {}
-for i = 6, #ARGV, 3 do
-  local jid = ARGV[i]
-  local code, tokens, exclen, origin = string.match(ARGV[i + 1], '^(%a) (%d+) (%d+) (.*)$')
-  local outcome = OUTCOME[code]
-  exclen = tonumber(exclen)
-  local member = jid .. suffix
-  if redis.call('ZREM', KEYS[1], member) == 0 then
-    stale[#stale + 1] = jid  -- the lease lapsed and the job was recovered: its other run reports
-  else
-    redis.call('ZREM', wpre .. origin, member)
-    redis.call('HDEL', KEYS[5], jid)
-    local jkey = jpre .. jid
-    if outcome == 'succeeded' then
-      redis.call('DEL', jkey)  -- result_ttl=0: the result leaves Redis through the stream below
-    else
-      redis.call('HSET', jkey, 'status', 'failed', 'ended_at', now_iso, 'exc_info', string.sub(ARGV[i + 2], 1, exclen))
-      redis.call('EXPIRE', jkey, fttl)  -- as long as its failed-registry entry: no job hash outlives it
-      redis.call('ZADD', fpre .. origin, now + fttl, jid)
-    end
-    if outcome == 'refused' then  -- not this run's prompt to answer: no result, RQ's failed registry only
-      redis.call('HINCRBY', KEYS[4], 'refused', 1)
-      redis.call('HINCRBY', KEYS[4], 'refused:' .. origin, 1)
-    else
-      redis.call('XADD', KEYS[2], '*', 'r', exclen > 0 and string.sub(ARGV[i + 2], exclen + 1) or ARGV[i + 2])
-      redis.call('SADD', KEYS[3], jid)
-      redis.call('HINCRBY', KEYS[4], outcome, 1)
-      redis.call('HINCRBY', KEYS[4], outcome .. ':' .. origin, 1)
-      redis.call('HINCRBY', KEYS[4], 'completion_tokens', tokens)
-    end
-  end
-end
-return {stale, redis.call('XLEN', KEYS[2])}
-"""
-
-# Put jobs back where their strikes say. KEYS = leases, stats, strikes, suspects, isolate
-# ARGV = job prefix, started prefix, queue prefix, counter, mode ('lapsed': every lease that lapsed
-# by Redis's clock; 'given': the members ARGV[6..]) -> jids put back
-_RELEASE = _PRELUDE + _REQUEUE + """
-local jpre, wpre, qpre, counter = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local members = {}
-if ARGV[5] == 'lapsed' then
-  local s, us = clock()
-  members = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', s + us / 1e6),
-                       'LIMIT', 0, 1000)
-else
-  for i = 6, #ARGV do members[#members + 1] = ARGV[i] end
-end
-local out = {}
-for _, member in ipairs(members) do
-  if redis.call('ZREM', KEYS[1], member) == 1 then
-    local jid = string.match(member, '^(.*):[^:]*$')
-    local jkey = jpre .. jid
-    local f = redis.call('HMGET', jkey, 'origin', 'status')
-    if f[1] then
-      redis.call('ZREM', wpre .. f[1], member)
-      if f[2] == 'started' then
-        requeue(jid, jkey, qpre .. f[1])
-        redis.call('HINCRBY', KEYS[2], counter, 1)
-        out[#out + 1] = jid
-      end
-    end
-  end
-end
-return out
-"""
-
-# A server died with these jobs in this worker's hands. KEYS = leases, stats, strikes, suspects,
-# isolate, results, done. ARGV = member suffix, job prefix, started prefix, queue prefix, failed
-# prefix, failed-registry ttl, strikes ttl, max strikes, then per job: jid, inside ('1': it was inside
-# the server when it died; '0': it was not, e.g. waiting to retry), result JSON (used only if it is
-# quarantined), exc_info. -> {quarantined jids, strikes given, handed back, stale}
-_DEATH = _PRELUDE + _REQUEUE + """
-local s, us = clock()
-local now, now_iso = s + us / 1e6, iso(s, us)
-local suffix, jpre, wpre, qpre, fpre = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local fttl, kttl, max = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local inside = 0
-for i = 9, #ARGV, 4 do
-  if ARGV[i + 1] == '1' then inside = inside + 1 end
-end
-local alone = inside == 1  -- nothing else was in the server: it cannot be a bystander
-local quarantined, struck, handed, stale = {}, 0, 0, 0
-redis.call('HINCRBY', KEYS[2], 'server_deaths', 1)
-for i = 9, #ARGV, 4 do
-  local jid = ARGV[i]
-  local member = jid .. suffix
-  if redis.call('ZREM', KEYS[1], member) == 0 then
-    stale = stale + 1
-  else
-    local jkey = jpre .. jid
-    local f = redis.call('HMGET', jkey, 'origin', 'status')
-    if f[1] then
-      redis.call('ZREM', wpre .. f[1], member)
-      if f[2] == 'started' then
-        if ARGV[i + 1] == '1' then
-          local n = redis.call('HINCRBY', KEYS[3], jid, 1)
-          redis.call('EXPIRE', KEYS[3], kttl)
-          struck = struck + 1
-          if n >= max and alone then
-            redis.call('HSET', jkey, 'status', 'failed', 'ended_at', now_iso, 'exc_info', ARGV[i + 3])
-            redis.call('EXPIRE', jkey, fttl)
-            redis.call('ZADD', fpre .. f[1], now + fttl, jid)
-            redis.call('XADD', KEYS[6], '*', 'r', ARGV[i + 2])
-            redis.call('SADD', KEYS[7], jid)
-            redis.call('HINCRBY', KEYS[2], 'failed', 1)
-            redis.call('HINCRBY', KEYS[2], 'failed:' .. f[1], 1)
-            redis.call('HINCRBY', KEYS[2], 'quarantined', 1)
-            redis.call('HDEL', KEYS[3], jid)
-            quarantined[#quarantined + 1] = jid
-          else
-            if n > max - 1 then  -- not alone: never past "must run alone"
-              redis.call('HSET', KEYS[3], jid, max - 1)
-            end
-            requeue(jid, jkey, qpre .. f[1])
-          end
-        else
-          requeue(jid, jkey, qpre .. f[1])
-          redis.call('HINCRBY', KEYS[2], 'handed_back', 1)
-          handed = handed + 1
-        end
-      end
-    end
-  end
-end
-if struck > 0 then redis.call('HINCRBY', KEYS[2], 'struck', struck) end
-return {quarantined, struck, handed, stale}
-"""
-
-
-# The run was cancelled: forget jobs this worker holds, publishing nothing. KEYS = leases
-# ARGV = job prefix, started prefix, member... -> how many were still held (and are deleted now)
-_DROP = """
-local jpre, wpre, n = ARGV[1], ARGV[2], 0
-for i = 3, #ARGV do
-  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
-    local jid = string.match(ARGV[i], '^(.*):[^:]*$')
-    local jkey = jpre .. jid
-    local f = redis.call('HMGET', jkey, 'origin', 'status')
-    if f[1] then redis.call('ZREM', wpre .. f[1], ARGV[i]) end
-    if f[2] == 'started' then redis.call('DEL', jkey) end
-    n = n + 1
-  end
-end
-return n
-"""
-
-# A trimmed failed job came back (`rq requeue`): the head feeds its prompt again from the store.
-# KEYS = leases, refeed; ARGV = member, job prefix, started prefix, custom_id -> 1 if handed over
-_REFEED = """
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
-local jid = string.match(ARGV[1], '^(.*):[^:]*$')
-local jkey = ARGV[2] .. jid
-local origin = redis.call('HGET', jkey, 'origin')
-if origin then redis.call('ZREM', ARGV[3] .. origin, ARGV[1]) end
-redis.call('DEL', jkey)
-redis.call('RPUSH', KEYS[2], ARGV[4])
-return 1
-"""
+# The ledger's scripts (worker/lua/*.lua; see batchfleet.scripts). Every key arrives in KEYS but those
+# of jobs a script finds inside: `claim` pops job ids from lists, `recover` reads them from lapsed leases.
+CLAIM = Script("worker", "claim",
+               keys=("leases", "suspects", "isolate", Each("queues")),
+               argv=("n", "session", "lease_ttl", "started_ttl", "worker", "take_suspect", "take_solo",
+                     Each("queue_names")),  # parallel to queues
+               derives=("job_key", "started_key"))
+RENEW = Script("worker", "renew", keys=("leases",), argv=("lease_ttl", "session", Each("jids")))
+FINISH = Script("worker", "finish",
+                keys=("leases", "results", "done", "stats", "strikes", Each("jobs"),
+                      Each("registries", "started", "failed")),  # once per origin, as in `origins`
+                argv=("session", "failure_ttl", Each("origins"), Each("outcomes", "meta", "payload")))
+RELEASE = Script("worker", "release",
+                 keys=("leases", "stats", "strikes", "suspects", "isolate", Each("jobs", "job", "started", "queue")),
+                 argv=("session", Each("jids")), include=("requeue",))
+RECOVER = Script("worker", "recover", keys=("leases", "stats", "strikes", "suspects", "isolate"),
+                 derives=("job_key", "started_key", "queue_key"), include=("requeue",))
+DEATH = Script("worker", "death",
+               keys=("leases", "stats", "strikes", "suspects", "isolate", "results", "done",
+                     Each("jobs", "job", "started", "queue", "failed")),
+               argv=("session", "failure_ttl", "strikes_ttl", "max_strikes",
+                     Each("entries", "jid", "inside", "result", "exc_info")),
+               include=("requeue",))
+DROP = Script("worker", "drop", keys=("leases", Each("jobs", "job", "started")), argv=("session", Each("jids")))
+REFEED = Script("worker", "refeed", keys=("leases", "refeed", "job", "started"), argv=("session", "jid", "cid"))
 
 
 class ClaimKind(StrEnum):
@@ -343,7 +99,7 @@ class ClaimKind(StrEnum):
     SOLO = "solo"  # two strikes: runs alone in its server
 
 
-_KINDS = {kind.value.encode(): kind for kind in ClaimKind}  # as `_CLAIM` names them
+_KINDS = {kind.value.encode(): kind for kind in ClaimKind}  # as `claim.lua` names them
 
 
 @dataclass(slots=True)
@@ -359,7 +115,7 @@ class Claim:
 
 @dataclass(slots=True)
 class _Finish:
-    """One final outcome, as `_FINISH` takes it: the job's three arguments, packed when it finished."""
+    """One final outcome, as `finish.lua` takes it: its two arguments, packed when it finished."""
 
     claim: Claim
     meta: bytes  # b"<s|f|r> <completion tokens> <bytes of exc_info> <origin>"
@@ -389,7 +145,8 @@ class Ledger:
         self.k = keyspace
         self.worker = worker
         self.lease_ttl_s = lease_ttl_s
-        # One lease member per (job, worker process): "<jid>:<session>", RQ's execution-key shape.
+        # One lease per (job, worker process): the session is the execution id of its member
+        # (`batchfleet.rqlayout.execution_member`), made in the scripts.
         self.session = uuid.uuid4().hex[:12]
         self.held: dict[str, Claim] = {}
         self._pending: list[_Finish] = []
@@ -397,20 +154,10 @@ class Ledger:
         self._closing = False
         self.results_backlog = 0  # entries waiting in the results stream, as last seen
         self.stale = 0  # finishes refused because the lease had lapsed
-        self._claim = client.register_script(_CLAIM)
-        self._renew = client.register_script(_RENEW)
-        self._finish = client.register_script(_FINISH)
-        self._release = client.register_script(_RELEASE)
-        self._death = client.register_script(_DEATH)
-        self._drop = client.register_script(_DROP)
-        self._refeed = client.register_script(_REFEED)
-
-    def _member(self, jid: str) -> str:
-        return f"{jid}:{self.session}"
-
-    @property
-    def _requeue_keys(self) -> list[str]:
-        return [self.k.leases, self.k.stats, self.k.strikes, self.k.suspects, self.k.isolate]
+        k = keyspace
+        # the KEYS of every script that puts jobs back where their strikes say
+        self._requeue_keys = {"leases": k.leases, "stats": k.stats, "strikes": k.strikes, "suspects": k.suspects,
+                              "isolate": k.isolate}
 
     # --- claim -------------------------------------------------------------------------------------
     async def claim(self, n: int, queues: list[str], *, take_suspect: bool = False,
@@ -419,10 +166,12 @@ class Ledger:
         else (if asked) one suspect, then the queues in order."""
         if (n <= 0 or not queues) and not take_solo:
             return []
-        raw = await self._claim(
-            keys=[self.k.leases, self.k.suspects, self.k.isolate, *(Keys.queue(q) for q in queues)],
-            args=[max(n, 0), ":" + self.session, self.lease_ttl_s, keys.STARTED_REGISTRY_TTL_S, self.worker,
-                  keys.RQ_JOB_PREFIX, keys.RQ_STARTED_PREFIX, int(take_suspect), int(take_solo), *queues])
+        raw = await CLAIM.acall(
+            self.r, keys={"leases": self.k.leases, "suspects": self.k.suspects, "isolate": self.k.isolate,
+                          "queues": [Keys.queue(q) for q in queues]},
+            args={"n": max(n, 0), "session": self.session, "lease_ttl": self.lease_ttl_s,
+                  "started_ttl": keys.STARTED_REGISTRY_TTL_S, "worker": self.worker, "take_suspect": int(take_suspect),
+                  "take_solo": int(take_solo), "queue_names": queues})
         now = time.monotonic()
         claims = []
         for i in range(0, len(raw), 4):
@@ -478,13 +227,20 @@ class Ledger:
         todo, self._pending = self._pending, []
         while todo:
             batch, todo = todo[:500], todo[500:]
-            args: list[object] = [":" + self.session, keys.FAILURE_TTL_S, keys.RQ_JOB_PREFIX,
-                                  keys.RQ_STARTED_PREFIX, keys.RQ_FAILED_PREFIX]
+            jobs: list[str] = []
+            outcomes: list[bytes] = []
+            origins: dict[str, None] = {}
             for f in batch:
-                args += [f.claim.jid, f.meta, f.payload]
+                jobs.append(Keys.job(f.claim.jid))
+                outcomes += (f.meta, f.payload)
+                origins[f.claim.origin] = None
             try:
-                stale, backlog = await self._finish(
-                    keys=[self.k.leases, self.k.results, self.k.done, self.k.stats, self.k.strikes], args=args)
+                stale, backlog = await FINISH.acall(
+                    self.r, keys={"leases": self.k.leases, "results": self.k.results, "done": self.k.done,
+                                  "stats": self.k.stats, "strikes": self.k.strikes, "jobs": jobs,
+                                  "registries": [k for o in origins for k in (Keys.started(o), Keys.failed(o))]},
+                    args={"session": self.session, "failure_ttl": keys.FAILURE_TTL_S, "origins": list(origins),
+                          "outcomes": outcomes})
             except BaseException:
                 # keep them, first; the next flush retries (leases keep the jobs safe)
                 self._pending[:0] = batch + todo
@@ -507,9 +263,9 @@ class Ledger:
         longer held (it lapsed and another worker requeued the job): they are forgotten here."""
         if not self.held:
             return []
-        held = list(self.held)
-        lost = await self._renew(keys=[self.k.leases], args=[self.lease_ttl_s, *(self._member(j) for j in held)])
-        jids = [m.decode().rsplit(":", 1)[0] for m in lost]
+        lost = await RENEW.acall(self.r, keys={"leases": self.k.leases},
+                                 args={"lease_ttl": self.lease_ttl_s, "session": self.session, "jids": list(self.held)})
+        jids = [j.decode() for j in lost]
         for jid in jids:
             self.held.pop(jid, None)
         return jids
@@ -521,8 +277,9 @@ class Ledger:
         if not claims:
             return 0
         try:
-            out = await self._release(keys=self._requeue_keys, args=[*self._release_args("handed_back"), "given",
-                                                                     *(self._member(c.jid) for c in claims)])
+            jobs = [k for c in claims for k in (Keys.job(c.jid), Keys.started(c.origin), Keys.queue(c.origin))]
+            out = await RELEASE.acall(self.r, keys={**self._requeue_keys, "jobs": jobs},
+                                      args={"session": self.session, "jids": [c.jid for c in claims]})
         finally:
             for c in claims:
                 self.held.pop(c.jid, None)
@@ -534,8 +291,9 @@ class Ledger:
         if not claims:
             return 0
         try:
-            return int(await self._drop(keys=[self.k.leases], args=[keys.RQ_JOB_PREFIX, keys.RQ_STARTED_PREFIX,
-                                                                    *(self._member(c.jid) for c in claims)]))
+            jobs = [k for c in claims for k in (Keys.job(c.jid), Keys.started(c.origin))]
+            return int(await DROP.acall(self.r, keys={"leases": self.k.leases, "jobs": jobs},
+                                        args={"session": self.session, "jids": [c.jid for c in claims]}))
         finally:
             for c in claims:
                 self.held.pop(c.jid, None)
@@ -544,19 +302,17 @@ class Ledger:
         """A trimmed failed job (its prompt is only in the store) was requeued: hand its custom_id to
         the head, which feeds the prompt again; the job itself is deleted."""
         try:
-            return bool(await self._refeed(keys=[self.k.leases, self.k.refeed],
-                                           args=[self._member(claim.jid), keys.RQ_JOB_PREFIX,
-                                                 keys.RQ_STARTED_PREFIX, cid]))
+            return bool(await REFEED.acall(
+                self.r, keys={"leases": self.k.leases, "refeed": self.k.refeed, "job": Keys.job(claim.jid),
+                              "started": Keys.started(claim.origin)},
+                args={"session": self.session, "jid": claim.jid, "cid": cid}))
         finally:
             self.held.pop(claim.jid, None)
 
     async def recover_lapsed(self) -> list[str]:
         """Requeue the jobs of workers that stopped renewing (killed, frozen, network-split)."""
-        out = await self._release(keys=self._requeue_keys, args=[*self._release_args("recovered"), "lapsed"])
+        out = await RECOVER.acall(self.r, keys=self._requeue_keys)
         return [j.decode() for j in out]
-
-    def _release_args(self, counter: str) -> list[str]:
-        return [keys.RQ_JOB_PREFIX, keys.RQ_STARTED_PREFIX, keys.RQ_QUEUE_PREFIX, counter]
 
     # --- server death ----------------------------------------------------------------------------------
     async def after_server_death(self, inside: list[tuple[Claim, Result | None]], outside: list[Claim], *,
@@ -570,19 +326,22 @@ class Ledger:
         claims = [c for c, _ in inside] + outside
         if not claims:
             return DeathOutcome([], 0, 0, 0)
-        args: list[object] = [":" + self.session, keys.RQ_JOB_PREFIX, keys.RQ_STARTED_PREFIX, keys.RQ_QUEUE_PREFIX,
-                              keys.RQ_FAILED_PREFIX, keys.FAILURE_TTL_S, keys.STRIKES_TTL_S, MAX_STRIKES]
+        entries: list[object] = []
         for claim, result in inside:
-            args += [claim.jid, "1", result.to_json() if result is not None else b"", exc_string]
+            entries += (claim.jid, "1", result.to_json() if result is not None else b"", exc_string)
         for claim in outside:
-            args += [claim.jid, "0", b"", ""]
-        script_keys = [*self._requeue_keys, self.k.results, self.k.done]
+            entries += (claim.jid, "0", b"", "")
+        jobs = [k for c in claims for k in (Keys.job(c.jid), Keys.started(c.origin), Keys.queue(c.origin),
+                                            Keys.failed(c.origin))]
+        script_keys = {**self._requeue_keys, "results": self.k.results, "done": self.k.done, "jobs": jobs}
+        script_args = {"session": self.session, "failure_ttl": keys.FAILURE_TTL_S, "strikes_ttl": keys.STRIKES_TTL_S,
+                       "max_strikes": MAX_STRIKES, "entries": entries}
         deadline = time.monotonic() + (self.lease_ttl_s if retry_for_s is None else retry_for_s)
         wait_s = 0.25
         try:
             while True:
                 try:
-                    quarantined, struck, handed, stale = await self._death(keys=script_keys, args=args)
+                    quarantined, struck, handed, stale = await DEATH.acall(self.r, keys=script_keys, args=script_args)
                     break
                 except (redis.RedisError, OSError) as exc:
                     if time.monotonic() + wait_s > deadline:

@@ -1,0 +1,42 @@
+-- Claim up to `n` jobs: first (take_solo = '1') one prompt that must run alone, which then comes
+-- alone; else (take_suspect = '1') one suspect, then the queues in order. Each claimed job is marked
+-- started (RQ's fields), entered in its origin's started registry and leased, on Redis's clock.
+-- -> flat (jid, origin, data, kind) per claimed job, kind 'normal', 'suspect' or 'solo'.
+local s, us = clock()
+local now, now_iso = s + us / 1e6, iso(s, us)
+local want, ttl, sttl = tonumber(n), tonumber(lease_ttl), tonumber(started_ttl)
+local out, taken = {}, 0
+local function take(jid, fallback, kind)
+  local jkey = job_key(jid)
+  local f = redis.call('HMGET', jkey, 'data', 'origin', 'status')
+  -- deleted while queued (`rq empty`), or a stray copy of an id that runs or ran: skip it
+  if not f[1] or f[3] ~= 'queued' then return false end
+  local origin = f[2] or fallback
+  local member = execution_member(jid, session)
+  redis.call('HSET', jkey, 'status', 'started', 'started_at', now_iso, 'last_heartbeat', now_iso,
+             'worker_name', worker)
+  redis.call('ZADD', started_key(origin), now + sttl, member)
+  redis.call('ZADD', leases, now + ttl, member)
+  out[#out + 1] = jid; out[#out + 1] = origin; out[#out + 1] = f[1]; out[#out + 1] = kind
+  return true
+end
+local function pop_one(list, kind)
+  while true do
+    local jid = redis.call('LPOP', list)
+    if not jid then return false end
+    if take(jid, 'unknown', kind) then return true end
+  end
+end
+if take_solo == '1' and pop_one(isolate, 'solo') then return out end
+if want <= 0 then return out end
+if take_suspect == '1' and pop_one(suspects, 'suspect') then taken = 1 end
+for i = queues_first, queues_last do
+  if taken >= want then break end
+  local ids = redis.call('LPOP', KEYS[i], want - taken)
+  if ids then
+    for _, jid in ipairs(ids) do
+      if take(jid, ARGV[queue_names_first + i - queues_first], 'normal') then taken = taken + 1 end
+    end
+  end
+end
+return out

@@ -7,7 +7,7 @@
      claiming, cancels its in-flight requests (their HTTP connections close: the server aborts them),
      releases their leases without putting them back, publishes nothing for them, and acknowledges
      (`ack:<worker>` = prompts it dropped);
-  3. `CANCEL_LUA` removes each fed prompt's job atomically: queued (its queue, `suspects`, `isolate`),
+  3. `scripts.CANCEL` removes each fed prompt's job atomically: queued (its queue, `suspects`, `isolate`),
      started (its leases and started-registry entries: a late finish of it is refused as stale) or
      failed without a result; a job whose result is in the stream is left to be collected;
   4. results already in the stream are collected (they stay, and export as they are);
@@ -51,22 +51,13 @@ from batchfleet.config import Config
 from batchfleet.connection import redacted
 from batchfleet.errors import ErrorCode
 from batchfleet.fleetview import read_fleet_view
-from batchfleet.keys import (
-    RQ_FAILED_PREFIX,
-    RQ_JOB_PREFIX,
-    RQ_QUEUE_PREFIX,
-    RQ_QUEUES,
-    RQ_RESULTS_PREFIX,
-    RQ_STARTED_PREFIX,
-    RQ_WORKER_PREFIX,
-    RQ_WORKERS,
-    Keys,
-    valid_queue_name,
-)
+from batchfleet.keys import RQ_JOB_PREFIX, RQ_QUEUES, RQ_WORKER_PREFIX, RQ_WORKERS, Keys, valid_queue_name
 from batchfleet.marker import FINISHED, read_marker
 from batchfleet.records import RecordError, job_id_for
+from batchfleet.rqlayout import execution_job
 
 from .collect import collect_once
+from .scripts import CANCEL, EXPIRE, EXPIRE_FAILED, RUN_JOBS
 from .store import State, Store
 
 __all__ = ["CANCELLED", "CancelSummary", "PurgeRefused", "PurgeSummary", "cancel", "cancelled_line",
@@ -74,100 +65,6 @@ __all__ = ["CANCELLED", "CancelSummary", "PurgeRefused", "PurgeSummary", "cancel
 
 CANCELLED = ErrorCode.CANCELLED  # the export's error code of a cancelled prompt
 PAGE = 1000
-
-# KEYS = done, strikes, suspects, isolate, leases, <job key>...
-# ARGV = len(job prefix), queue prefix, started prefix, failed prefix, RQ results prefix
-# -> one letter per job: q queued (removed), s started (leases dropped, removed), f failed without a
-#    result (removed), d done (its result is in the stream: left for the collector), m missing
-CANCEL_LUA = """
-local plen, qpre, wpre, fpre, rpre = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local held = {}
-for _, member in ipairs(redis.call('ZRANGE', KEYS[5], 0, -1)) do
-  local jid = string.match(member, '^(.*):[^:]*$')
-  if jid then
-    held[jid] = held[jid] or {}
-    table.insert(held[jid], member)
-  end
-end
-local out = {}
-for i = 6, #KEYS do
-  local jid = string.sub(KEYS[i], plen + 1)
-  local c
-  if redis.call('SISMEMBER', KEYS[1], jid) == 1 then
-    c = 'd'
-  else
-    local f = redis.call('HMGET', KEYS[i], 'origin', 'status')
-    if not f[2] then
-      c = 'm'
-    else
-      local origin = f[1] or ''
-      if f[2] == 'started' then c = 's' elseif f[2] == 'failed' then c = 'f' else c = 'q' end
-      redis.call('LREM', qpre .. origin, 0, jid)
-      redis.call('LREM', KEYS[3], 0, jid)
-      redis.call('LREM', KEYS[4], 0, jid)
-      for _, member in ipairs(held[jid] or {}) do
-        redis.call('ZREM', KEYS[5], member)
-        redis.call('ZREM', wpre .. origin, member)
-      end
-      redis.call('ZREM', fpre .. origin, jid)
-      redis.call('DEL', KEYS[i], rpre .. jid)
-    end
-  end
-  redis.call('HDEL', KEYS[2], jid)
-  out[#out + 1] = c
-end
-return table.concat(out)
-"""
-
-# Jobs of a run, among a SCAN batch of job keys: their `data` ends with `suffix` (see `_run_suffix`).
-# KEYS = <job key>...; ARGV = suffix -> flat (job key, origin) of those that match
-RUN_JOBS_LUA = """
-local out, n = {}, string.len(ARGV[1])
-for i = 1, #KEYS do
-  local f = redis.call('HMGET', KEYS[i], 'data', 'origin')
-  if f[1] and string.sub(f[1], -n) == ARGV[1] then
-    out[#out + 1] = KEYS[i]
-    out[#out + 1] = f[2] or ''
-  end
-end
-return out
-"""
-
-# Set a TTL on keys, never lengthening one they have. KEYS = keys; ARGV = ttl -> keys given a TTL
-EXPIRE_LUA = """
-local ttl, n = tonumber(ARGV[1]), 0
-for i = 1, #KEYS do
-  local have = redis.call('TTL', KEYS[i])
-  if have == -1 or have > ttl then
-    redis.call('EXPIRE', KEYS[i], ttl)
-    n = n + 1
-  end
-end
-return n
-"""
-
-# Failed jobs of a finished run: the job hash and its failed-registry score expire with the run's keys.
-# KEYS = <job key>...; ARGV = ttl, len(job prefix), failed prefix -> jobs given a TTL
-EXPIRE_FAILED_LUA = """
-local ttl, plen, fpre = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local t = redis.call('TIME')
-local until_ = tonumber(t[1]) + ttl
-local n = 0
-for i = 1, #KEYS do
-  local origin = redis.call('HGET', KEYS[i], 'origin')
-  if origin then
-    local have = redis.call('TTL', KEYS[i])
-    if have == -1 or have > ttl then redis.call('EXPIRE', KEYS[i], ttl) end
-    redis.call('ZADD', fpre .. origin, 'LT', until_, string.sub(KEYS[i], plen + 1))
-    n = n + 1
-  end
-end
-return n
-"""
-
-# Trim failed jobs whose result is collected. KEYS = done, <job key>...; ARGV = len(job prefix), stub...
-# (parallel to the job keys) -> bytes freed
-
 
 def cancelled_line(run: str, cid: str, at: float) -> bytes:
     """The export line of a prompt cancelled before it had a result."""
@@ -195,15 +92,13 @@ class CancelSummary:
 
 
 def _remove_jobs(r: redis.Redis, keys: Keys, cids: Iterable[str], into: dict[str, int]) -> None:
-    script = r.register_script(CANCEL_LUA)
     names = {"q": "queued", "s": "in_flight", "f": "failed", "d": "done", "m": "missing"}
     batch: list[str] = []
 
     def go() -> None:
-        codes = script(keys=[keys.done, keys.strikes, keys.suspects, keys.isolate, keys.leases,
-                             *(Keys.job(j) for j in batch)],
-                       args=[len(RQ_JOB_PREFIX), RQ_QUEUE_PREFIX, RQ_STARTED_PREFIX, RQ_FAILED_PREFIX,
-                             RQ_RESULTS_PREFIX])
+        codes = CANCEL.call(r, keys={"done": keys.done, "strikes": keys.strikes, "suspects": keys.suspects,
+                                     "isolate": keys.isolate, "leases": keys.leases,
+                                     "jobs": [k for j in batch for k in (Keys.job(j), Keys.rq_results(j))]})
         for c in codes.decode():
             into[names[c]] = into.get(names[c], 0) + 1
         batch.clear()
@@ -285,22 +180,21 @@ def _run_suffix(run: str) -> bytes:
 
 def run_jobs(r: redis.Redis, run: str) -> dict[str, str]:
     """job id -> origin queue, of every RQ job of the run in Redis (SCAN over rq:job:*)."""
-    script = r.register_script(RUN_JOBS_LUA)
     suffix = _run_suffix(run)
     out: dict[str, str] = {}
     batch: list[bytes] = []
     for key in r.scan_iter(match=RQ_JOB_PREFIX + "*", count=PAGE):
         batch.append(key)
         if len(batch) >= PAGE:
-            out.update(_match(script, batch, suffix))
+            out.update(_match(r, batch, suffix))
             batch = []
     if batch:
-        out.update(_match(script, batch, suffix))
+        out.update(_match(r, batch, suffix))
     return out
 
 
-def _match(script: object, batch: list[bytes], suffix: bytes) -> dict[str, str]:
-    raw = script(keys=batch, args=[suffix])  # type: ignore[operator]
+def _match(r: redis.Redis, batch: list[bytes], suffix: bytes) -> dict[str, str]:
+    raw = RUN_JOBS.call(r, keys={"jobs": batch}, args={"suffix": suffix})
     return {raw[i].decode()[len(RQ_JOB_PREFIX):]: raw[i + 1].decode(errors="replace") for i in range(0, len(raw), 2)}
 
 
@@ -329,7 +223,7 @@ def purge(r: redis.Redis, keys: Keys, *, force: bool = False, queues: Iterable[s
     mine = set(ids)
     for q in qs:  # started-registry members are "<job id>:<execution>"
         members = [m for m in r.zrange(Keys.started(q), 0, -1)
-                   if m.decode(errors="replace").rpartition(":")[0] in mine]
+                   if execution_job(m) in mine]
         if members:
             r.zrem(Keys.started(q), *members)
         if not r.exists(Keys.queue(q), Keys.started(q), Keys.failed(q)):
@@ -371,8 +265,7 @@ def expire_finished(r: redis.Redis, store: Store, keys: Keys, ttl_s: int) -> int
     """Give the finished run's keys and failed jobs `ttl_s` to live (never longer than they had).
     Returns how many keys got a TTL."""
     existing = [k for k, e in zip(keys.run_keys(), _exists(r, keys.run_keys()), strict=True) if e]
-    n = int(r.register_script(EXPIRE_LUA)(keys=existing, args=[ttl_s])) if existing else 0
-    script = r.register_script(EXPIRE_FAILED_LUA)
+    n = int(EXPIRE.call(r, keys={"targets": existing}, args={"ttl": ttl_s})) if existing else 0
     after = 0
     while True:
         with store.read():
@@ -380,8 +273,8 @@ def expire_finished(r: redis.Redis, store: Store, keys: Keys, ttl_s: int) -> int
                                     "WHERE r.ok = 0 AND p.seq > ? ORDER BY p.seq LIMIT ?", (after, PAGE)).fetchall()
         if not rows:
             return n
-        n += int(script(keys=[Keys.job(job_id_for(keys.run, cid)) for _, cid in rows],
-                        args=[ttl_s, len(RQ_JOB_PREFIX), RQ_FAILED_PREFIX]))
+        n += int(EXPIRE_FAILED.call(r, keys={"jobs": [Keys.job(job_id_for(keys.run, cid)) for _, cid in rows]},
+                                    args={"ttl": ttl_s}))
         after = rows[-1][0]
 
 

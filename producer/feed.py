@@ -14,7 +14,7 @@ marker's `queues`).
 A feed pass takes the WAITING prompts with the longest expected work first (max_tokens desc, then
 input order: the long generations start early and do not straggle at the end of the run), deals them
 over the queues that are short, and in one store transaction per batch writes their RQ jobs
-(`lua.FEED_LUA`) and marks them FED. A crash between the two leaves jobs in Redis whose prompts are
+(`scripts.FEED`) and marks them FED. A crash between the two leaves jobs in Redis whose prompts are
 still WAITING: the next pass finds the jobs present and only marks them.
 """
 
@@ -34,7 +34,7 @@ from batchfleet.jobs import GENERATE
 from batchfleet.keys import RQ_QUEUES, Keys
 from batchfleet.records import job_id_for
 
-from .lua import FEED_LUA
+from .scripts import FEED
 from .store import State, Store
 
 __all__ = ["DrainMeter", "FeedSummary", "Feeder", "feed_pass", "window_target"]
@@ -96,7 +96,6 @@ class Feeder:
         self.r = r
         self.store = store
         self.keys = Keys(config.run)
-        self.script = r.register_script(FEED_LUA)
 
     def targets(self, queues: list[str], capacity: dict[str, int], meter: DrainMeter | None) -> dict[str, int]:
         return {q: window_target(self.config, capacity.get(q, 0), meter.rate(q) if meter else 0.0) for q in queues}
@@ -141,19 +140,22 @@ class Feeder:
 
     def _write_jobs(self, groups: dict[str, list[tuple[int, str, str, bytes, str]]]) -> tuple[int, int, list[int]]:
         k, run = self.keys, self.config.run
-        keys: list[str] = [k.done, k.stats, RQ_QUEUES, *(Keys.queue(q) for q in groups)]
-        args: list[object] = [len(groups), len(Keys.job("")), *groups, *(len(g) for g in groups.values())]
+        jobs: list[str] = []
+        data: list[bytes] = []
         for g in groups.values():
             for seq, cid, url, body, fp in g:
-                keys.append(Keys.job(job_id_for(run, cid)))
+                jobs.append(Keys.job(job_id_for(run, cid)))
                 # a records.Prompt as a dict (`Prompt.to_dict`), the body spliced in as stored; `run`
                 # last: every job of a run ends alike (`ends.run_jobs` finds them so)
                 prompt = {"cid": cid, "seq": seq, "url": url, "body": orjson.Fragment(body)}
                 if fp:
                     prompt["fp"] = fp
                 prompt["run"] = run
-                args.append(orjson.dumps([GENERATE, None, [prompt], {}]))
-        added, present, *per_queue = self.script(keys=keys, args=args)
+                data.append(orjson.dumps([GENERATE, None, [prompt], {}]))
+        added, present, *per_queue = FEED.call(
+            self.r, keys={"done": k.done, "stats": k.stats, "queue_index": RQ_QUEUES,
+                          "queues": [Keys.queue(q) for q in groups], "jobs": jobs},
+            args={"names": list(groups), "counts": [len(g) for g in groups.values()], "data": data})
         return int(added), int(present), [int(n) for n in per_queue]
 
 

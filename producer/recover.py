@@ -1,6 +1,6 @@
 """Audit where the run's fed prompts are in Redis, and put back the ones that will never finish.
 
-A FED prompt (see store.State) is, in Redis, one of (`lua.CHECK_LUA`):
+A FED prompt (see store.State) is, in Redis, one of (`scripts.CHECK`):
 
     queued       its job waits on a queue
     in_flight    a worker holds it (RQ status `started`, leased)
@@ -28,7 +28,7 @@ import redis
 from batchfleet.keys import Keys, valid_queue_name
 from batchfleet.records import job_id_for
 
-from .lua import CHECK_LUA, TAKE_FAILED_LUA
+from .scripts import CHECK, TAKE_FAILED
 from .store import State, Store
 
 __all__ = ["CODES", "Audit", "RecoverSummary", "audit", "recover"]
@@ -58,8 +58,6 @@ class Audit:
 def audit(r: redis.Redis, store: Store, keys: Keys) -> Audit:
     """Where every FED prompt is in Redis now."""
     out = Audit()
-    check = r.register_script(CHECK_LUA)
-    plen = len(Keys.job(""))
     after = 0
     while True:
         with store.read():
@@ -67,7 +65,7 @@ def audit(r: redis.Redis, store: Store, keys: Keys) -> Audit:
         if not page:
             return out
         jids = [job_id_for(keys.run, cid) for _, cid in page]
-        codes = check(keys=[keys.done, *(Keys.job(j) for j in jids)], args=[plen])
+        codes = CHECK.call(r, keys={"done": keys.done, "jobs": [Keys.job(j) for j in jids]})
         for (seq, _), jid, code in zip(page, jids, codes.decode(), strict=True):
             out.counts[CODES[code]] += 1
             if code == "m":
@@ -109,13 +107,12 @@ def _take_failed(r: redis.Redis, keys: Keys, jobs: list[tuple[int, str]]) -> set
     for _, jid in jobs:
         pipe.hget(Keys.job(jid), "origin")
     origins = pipe.execute()
-    script = r.register_script(TAKE_FAILED_LUA)
     taken: set[str] = set()
     for i in range(0, len(jobs), 1000):
-        ks: list[str] = [keys.done]
+        ks: list[str] = []
         for (_, jid), origin in zip(jobs[i : i + 1000], origins[i : i + 1000], strict=True):
             queue = (origin or b"").decode(errors="replace")
             queue = queue if valid_queue_name(queue) else ""  # data from Redis: never a key of our choosing
             ks += [Keys.job(jid), Keys.failed(queue), Keys.rq_results(jid)]
-        taken.update(j.decode() for j in script(keys=ks, args=[len(Keys.job(""))]))
+        taken.update(j.decode() for j in TAKE_FAILED.call(r, keys={"done": keys.done, "jobs": ks}))
     return taken

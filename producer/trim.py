@@ -12,29 +12,14 @@ import orjson
 import redis
 
 from batchfleet.jobs import GENERATE
-from batchfleet.keys import RQ_JOB_PREFIX, TRIMMED, Keys
+from batchfleet.keys import TRIMMED, Keys
 from batchfleet.records import job_id_for
 
-__all__ = ["TRIM_LUA", "trim_failed", "trimmed_data"]
+from .scripts import TRIM
+
+__all__ = ["trim_failed", "trimmed_data"]
 
 PAGE = 1000  # jobs per Lua call
-
-TRIM_LUA = """
-local plen, freed = tonumber(ARGV[1]), 0
-for i = 2, #KEYS do
-  local jid = string.sub(KEYS[i], plen + 1)
-  local stub = ARGV[i]
-  if redis.call('SISMEMBER', KEYS[1], jid) == 0 and redis.call('HGET', KEYS[i], 'status') == 'failed'
-      and redis.call('HEXISTS', KEYS[i], 'trimmed') == 0 then
-    local size = redis.call('HSTRLEN', KEYS[i], 'data')
-    if size > string.len(stub) then
-      redis.call('HSET', KEYS[i], 'data', stub, 'trimmed', size)
-      freed = freed + size - string.len(stub)
-    end
-  end
-end
-return freed
-"""
 
 
 def trimmed_data(run: str, cid: str, seq: int) -> bytes:
@@ -47,10 +32,10 @@ def trim_failed(r: redis.Redis, keys: Keys, failed: list[tuple[str, int]]) -> in
     """Trim the jobs of these collected failures, (cid, seq) each. Returns the bytes freed."""
     if not failed:
         return 0
-    script = r.register_script(TRIM_LUA)
     freed = 0
     for i in range(0, len(failed), PAGE):
         part = failed[i : i + PAGE]
-        freed += int(script(keys=[keys.done, *(Keys.job(job_id_for(keys.run, cid)) for cid, _ in part)],
-                            args=[len(RQ_JOB_PREFIX), *(trimmed_data(keys.run, cid, seq) for cid, seq in part)]))
+        jobs = [Keys.job(job_id_for(keys.run, cid)) for cid, _ in part]
+        stubs = [trimmed_data(keys.run, cid, seq) for cid, seq in part]
+        freed += int(TRIM.call(r, keys={"done": keys.done, "jobs": jobs}, args={"stubs": stubs}))
     return freed

@@ -1,0 +1,35 @@
+-- Put a batch of prompts from the store into RQ jobs, atomically per batch. A job is skipped when its
+-- hash already exists (queued, running, or failed and kept for `rq requeue`) or its id is in the
+-- run's `done` set (finished, result not yet collected); otherwise its hash is written in RQ 2.12's
+-- layout, lean: `data`, `origin`, `status`, the fields RQ needs (`Job.restore` requires `data`,
+-- `rq requeue` the `origin`, `Job.get_status` the `status`; the rest have defaults), and its id is
+-- queued. Jobs come grouped by queue: `counts[q]` jobs (and data) for `queues[q]`, named `names[q]`.
+-- -> {new jobs, jobs already present, new jobs per queue...}
+local added, present, k, a, per_queue = 0, 0, jobs_first, data_first, {}
+for q = 0, queues_last - queues_first do
+  local name, ids = ARGV[names_first + q], {}
+  per_queue[q + 1] = 0
+  for _ = 1, tonumber(ARGV[counts_first + q]) do
+    local jid = job_id(KEYS[k])
+    if redis.call('EXISTS', KEYS[k]) == 0 and redis.call('SISMEMBER', done, jid) == 0 then
+      redis.call('HSET', KEYS[k], 'data', ARGV[a], 'origin', name, 'status', 'queued')
+      ids[#ids + 1] = jid
+    else
+      present = present + 1
+    end
+    k = k + 1
+    a = a + 1
+  end
+  if #ids > 0 then
+    -- unpack in slices: Lua's C stack takes a few thousand values at most
+    for i = 1, #ids, 1000 do
+      redis.call('RPUSH', KEYS[queues_first + q], unpack(ids, i, math.min(i + 999, #ids)))
+    end
+    redis.call('SADD', queue_index, KEYS[queues_first + q])
+    redis.call('HINCRBY', stats, 'enqueued:' .. name, #ids)
+    added = added + #ids
+    per_queue[q + 1] = #ids
+  end
+end
+if added > 0 then redis.call('HINCRBY', stats, 'enqueued', added) end
+return {added, present, unpack(per_queue)}

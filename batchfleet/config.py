@@ -17,13 +17,15 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
+import redis.connection
+
 from .errors import ConfigError
 from .keys import FINISHED_TTL_S, valid_queue_name
 from .records import STRATEGIES
 from .redact import MASK, redact_argv, redact_url
 
 __all__ = ["DEFAULT_QUEUE", "DEFAULT_QUEUE_PATTERN", "EVENT_LOOPS", "STRATEGIES", "Config", "expand_queues",
-           "gpu_index_for_queue", "queue_host"]
+           "gpu_index_for_queue", "queue_host", "redis_url_problem"]
 
 ENV_PREFIX = "BATCHFLEET_"
 DEFAULT_QUEUE = "gpu0"  # where prompts go when no queue is given and no worker has reported
@@ -45,6 +47,9 @@ class Config:
     redis_url: str = "redis://127.0.0.1:6379/0"
     run: str = "default"
     state_dir: Path = Path(".batchfleet")  # results database and logs on the producer/worker host
+    # Where a worker writes its server's log and pid file, and `batchfleet run` its processes' logs
+    # (unset: <state_dir>/logs; `batchfleet run` gives each run its own, <state_dir>/logs/<run>).
+    log_dir: Path | None = None
     # Queues the head feeds besides those live workers serve (recorded for the run at enqueue). Empty:
     # the live fleet's queues, or DEFAULT_QUEUE when no worker has reported yet.
     queues: tuple[str, ...] = ()
@@ -96,6 +101,9 @@ class Config:
     finished_ttl_s: int = FINISHED_TTL_S
 
     def __post_init__(self) -> None:
+        problem = redis_url_problem(self.redis_url)
+        if problem:
+            raise ConfigError(problem)
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.run):
@@ -160,7 +168,7 @@ class Config:
                 hint = f" (did you mean {ENV_PREFIX}{close[0].upper()}?)" if close else ""
                 raise ConfigError(f"unknown setting {key}{hint}")
             values[name] = _parse(name, hints[name], raw)
-        if "redis_url" not in values and env.get("REDIS_URL"):
+        if not values.get("redis_url") and env.get("REDIS_URL"):  # an empty BATCHFLEET_REDIS_URL is unset
             values["redis_url"] = env["REDIS_URL"]
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -174,8 +182,9 @@ class Config:
         return shlex.split(self.server_args)
 
     @property
-    def log_dir(self) -> Path:
-        return self.state_dir / "logs"
+    def logs(self) -> Path:
+        """The log directory: `log_dir`, else <state_dir>/logs."""
+        return self.log_dir if self.log_dir is not None else self.state_dir / "logs"
 
     @property
     def results_db(self) -> Path:
@@ -183,6 +192,32 @@ class Config:
 
     def port_for(self, gpu: int) -> int:
         return self.port_base + gpu
+
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def redis_url_problem(url: str) -> str | None:
+    """What is wrong with a Redis URL, as one line that shows the fix; None when redis-py can use it.
+    `localhost:6379` (no scheme) -> "... write redis://localhost:6379/0"."""
+    if not url.strip():
+        return "the Redis URL is empty: set BATCHFLEET_REDIS_URL (or REDIS_URL), e.g. redis://localhost:6379/0"
+    if not url.startswith(REDIS_SCHEMES):
+        if "://" in url:
+            return (f"Redis URL {redact_url(url)!r}: the scheme must be redis://, rediss:// (TLS) or unix:// "
+                    "(e.g. redis://localhost:6379/0)")
+        fixed = redact_url("redis://" + url.strip().lstrip("/"))
+        shown = fixed[len("redis://"):]
+        head, _, query = shown.partition("?")
+        if head and "/" not in head:  # no database: add it, and the port when there is none
+            has_port = re.search(r":\d+$", head.rpartition("@")[2]) is not None
+            fixed = "redis://" + head + ("" if has_port else ":6379") + "/0" + (f"?{query}" if query else "")
+        return f"Redis URL {shown!r} has no scheme: write {fixed} (rediss:// for TLS)"
+    try:
+        redis.connection.parse_url(url)
+    except ValueError as exc:
+        return f"Redis URL {redact_url(url)!r}: {exc} (e.g. redis://localhost:6379/0)"
+    return None
 
 
 def gpu_index_for_queue(queue: str) -> int | None:
@@ -224,12 +259,12 @@ def expand_queues(text: str) -> tuple[str, ...]:
 def _parse(name: str, hint: Any, raw: str) -> Any:
     text = str(hint)
     try:
+        if raw == "" and "None" in text:
+            return None
         if "tuple" in text:
             return tuple(p.strip() for p in raw.split(",") if p.strip())
         if "Path" in text:
             return Path(raw)
-        if raw == "" and "None" in text:
-            return None
         if "float" in text:
             return float(raw)
         if "int" in text:

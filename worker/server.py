@@ -23,6 +23,7 @@ import orjson
 from batchfleet import sglang
 from batchfleet.config import Config
 from batchfleet.errors import ServerDied, ServerStartError
+from batchfleet.procs import pid_alive
 from batchfleet.records import ServerFacts, ServerSpec
 from batchfleet.redact import Scrubber, private_dir, private_file, redact_argv
 
@@ -45,8 +46,8 @@ class SGLangServer:
         self.gpu = gpu
         self.port = port
         self.url = f"http://{config.server_host}:{port}"
-        self.log_path = config.log_dir / f"sglang-gpu{gpu}.log"
-        self.pid_path = config.log_dir / f"sglang-gpu{gpu}.pid"
+        self.log_path = config.logs / f"sglang-gpu{gpu}.log"
+        self.pid_path = config.logs / f"sglang-gpu{gpu}.pid"
         self.proc: subprocess.Popen[bytes] | None = None
         self.argv: list[str] = []
         self.flags: list[str] = []  # argv without the command itself, for status records
@@ -156,6 +157,7 @@ class SGLangServer:
                 _signal_group(proc, signal.SIGKILL)
                 await asyncio.to_thread(proc.wait, 10)
         _signal_group(proc, signal.SIGKILL)  # leftovers of the group, if any
+        _forget_pid_record(self.pid_path, proc.pid)
         await asyncio.to_thread(self._drain_log)
         log.info("gpu%d: server stopped (exit %s)", self.gpu, proc.returncode)
 
@@ -172,7 +174,7 @@ class SGLangServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
             for _ in range(100):
-                if not _alive(pid):
+                if not pid_alive(pid):
                     break
                 await asyncio.sleep(0.1)
         with socket.socket() as sock:
@@ -197,6 +199,7 @@ class SGLangServer:
         code = self.proc.poll()
         if code is not None:
             cls = ServerStartError if starting else ServerDied
+            _forget_pid_record(self.pid_path, self.proc.pid)  # reaped: its pid names nothing of ours now
             self.proc = None
             self._drain_log(timeout_s=2.0)  # its last lines (the reason it died) into the log first
             raise cls(f"gpu{self.gpu}: server exited with status {code}", log_tail=self.log_tail())
@@ -242,19 +245,6 @@ class SGLangServer:
                                   max_connections=4)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is dead for our purpose.
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
-    return True
-
-
 def _process_identity(pid: int) -> dict[str, object] | None:
     """What identifies a process beyond its (reusable) pid: its start time in clock ticks since boot,
     the boot it belongs to, and its command line. None when it is gone (or a zombie)."""
@@ -279,6 +269,17 @@ def _write_pid_record(path: Path, pid: int) -> None:
     with private_file(tmp, "wb") as f:
         f.write(orjson.dumps(record))
     tmp.replace(path)
+
+
+def _forget_pid_record(path: Path, pid: int) -> None:
+    """Remove the pid file of a server that is gone (stopped and reaped), if it records that server."""
+    try:
+        record = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return
+    if isinstance(record, dict) and record.get("pid") == pid:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _leftover_server(path: Path) -> int | None:

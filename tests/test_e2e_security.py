@@ -126,7 +126,10 @@ def test_a_fleet_with_an_api_key_and_a_redis_password_writes_neither_anywhere(tm
     for url in (f"redis://:{password}@127.0.0.1:1/0", f"redis://127.0.0.1:1/0?password={password}"):
         cli("producer", "--redis-url", url, "--state-dir", str(tmp_path / "state"), "collect", ok=(2,))
         cli("supervisor", "status", "--json", env={"REDIS_URL": url}, ok=(2,))
+    pid_files = {p.name: mode(p) for p in (tmp_path / "state" / "logs").glob("sglang-gpu*.pid")}
+    assert pid_files == {"sglang-gpu0.pid": 0o600, "sglang-gpu1.pid": 0o600}  # while the servers run
     assert fleet.stop_all() == {0: 0, 1: 0}
+    assert not list((tmp_path / "state" / "logs").glob("sglang-gpu*.pid"))  # gone with their servers
 
     exported = [orjson.loads(x) for x in (tmp_path / "results.jsonl").read_bytes().splitlines()]
     assert sorted(x["custom_id"] for x in exported) == sorted(r["id"] for r in rows)
@@ -152,10 +155,9 @@ def test_a_fleet_with_an_api_key_and_a_redis_password_writes_neither_anywhere(tm
 
     # Modes: what batchfleet creates is private to its user.
     assert mode(state) == 0o700 and mode(state / "logs") == 0o700 and mode(tmp_path / "gpus") == 0o700
-    private = [state / "secret.sqlite", *(state / "logs").glob("sglang-gpu*.log"),
-               *(state / "logs").glob("sglang-gpu*.pid"), *tmp_path.glob("sim-gpu*.json"),
+    private = [state / "secret.sqlite", *(state / "logs").glob("sglang-gpu*.log"), *tmp_path.glob("sim-gpu*.json"),
                *(p for p in state.glob("secret.sqlite-*"))]
-    assert len(private) >= 6
+    assert len(private) >= 5
     for path in private:
         assert mode(path) == 0o600, f"{path} has mode {oct(mode(path))}"
 

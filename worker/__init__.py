@@ -6,41 +6,100 @@
 can really run. RQ's own job loop (one job at a time, a new event loop per job) is not used; RQ's
 queues, job hashes and registries are.
 
-Exit status: 0 stopped by a signal (or burst mode done); 1 unexpected error; 2 configuration error;
-3 another worker on this host already owns this GPU's server; 75 stopped by RQ's `shutdown` command
-(drained; meant to be restarted).
+Exit status: 0 stopped by a signal (or burst mode done); 1 Redis unreachable at start (RQ's CLI says so
+in one line) or an unexpected error; 2 configuration error (a Redis URL RQ cannot use, a bad
+`BATCHFLEET_*` value, a state or log directory that cannot be created); 3 another worker on this host
+already owns this GPU's server; 75 stopped by RQ's `shutdown` command (drained; meant to be restarted).
+
+RQ's CLI builds its Redis client before it hands over to this class, and reports a URL it cannot parse
+with a traceback; so when `rq worker` imports this package, the URL it is about to use is checked
+first (`preflight_rq_cli`), and a bad one is one line and exit 2.
+
+`rq info` reads each worker's job counts from RQ's worker hash (`successful_job_count`,
+`failed_job_count`); the worker keeps them in step with its own counts at every status beat, in the
+same round trip as RQ's heartbeat (never per prompt).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 import redis
 from rq.worker import BaseWorker
 
-from batchfleet.config import Config, gpu_index_for_queue, queue_host
+from batchfleet.config import Config, gpu_index_for_queue, queue_host, redis_url_problem
 from batchfleet.connection import async_client_like, with_timeouts
 from batchfleet.errors import ConfigError
-from batchfleet.redact import Scrubber, install_log_scrubbing
+from batchfleet.redact import Scrubber, install_log_scrubbing, private_dir
 from batchfleet.serializer import OrjsonSerializer
 
 from .eventloop import loop_factory
 from .lock import ServerLock, ServerTaken
 from .service import GPUService
 
-__all__ = ["EXIT_CONFIG", "EXIT_SERVER_TAKEN", "GPUWorker"]
+__all__ = ["EXIT_CONFIG", "EXIT_SERVER_TAKEN", "GPUWorker", "preflight_rq_cli", "rq_cli_url"]
 
 log = logging.getLogger("batchfleet.worker")
 
 EXIT_CONFIG = 2
 EXIT_SERVER_TAKEN = 3
+
+
+def _option(argv: list[str], long: str, short: str) -> str | None:
+    """The last value of a click option in argv (`--url X`, `--url=X`, `-u X`, `-uX`)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg in (long, short) and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(long + "="):
+            value = arg[len(long) + 1:]
+        elif arg.startswith(short) and len(arg) > len(short) and not arg.startswith("--"):
+            value = arg[len(short):]
+    return value
+
+
+def rq_cli_url(argv: list[str], env: Mapping[str, str]) -> str | None:
+    """The Redis URL `rq worker` (argv) will connect with: `--url`/`-u`, else RQ_REDIS_URL, else (with
+    no settings module: `-c`/`--config`/RQ_CONFIG) REDIS_URL. None when it comes from elsewhere."""
+    url = _option(argv, "--url", "-u") or env.get("RQ_REDIS_URL")
+    if url is None and not (_option(argv, "--config", "-c") or env.get("RQ_CONFIG")):
+        url = env.get("REDIS_URL")
+    return url
+
+
+def preflight_rq_cli(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> None:
+    """When `rq worker` is importing this package: a Redis URL it cannot use is one line on stderr and
+    exit EXIT_CONFIG, before RQ's CLI fails on it with a traceback."""
+    argv = sys.argv if argv is None else argv
+    if not argv or os.path.basename(argv[0]) != "rq" or "worker" not in argv[1:]:
+        return
+    url = rq_cli_url(argv[1:], os.environ if env is None else env)
+    problem = redis_url_problem(url) if url else None
+    if problem:
+        print(f"worker: {problem}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+
+
+def _make_dirs(config: Config) -> None:
+    """The state and log directories (0700), now: one that cannot be made is a configuration error,
+    not a traceback when the server first starts."""
+    for what, path in (("state directory (BATCHFLEET_STATE_DIR)", config.state_dir),
+                       ("log directory (BATCHFLEET_LOG_DIR)", config.logs)):
+        try:
+            private_dir(path)
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as exc:
+            raise ConfigError(f"the {what} {path} cannot be created or written: {exc.strerror or exc}") from None
 
 
 class GPUWorker(BaseWorker):
@@ -80,6 +139,7 @@ class GPUWorker(BaseWorker):
                 raise ConfigError(f"queue {queue!r} names no GPU: its last part must be gpuN (gpu3, hostb.gpu3) "
                                   "or set BATCHFLEET_GPU")
             new_loop = loop_factory(config.event_loop)
+            _make_dirs(config)
         except ConfigError as exc:
             log.error("%s", exc)
             sys.exit(EXIT_CONFIG)
@@ -91,18 +151,43 @@ class GPUWorker(BaseWorker):
         except ServerTaken as exc:
             log.error("%s", exc)
             sys.exit(EXIT_SERVER_TAKEN)
-        self.bootstrap(logging_level, date_format, log_format)
+        try:
+            self.bootstrap(logging_level, date_format, log_format)
+        except ValueError as exc:  # RQ: "There exists an active worker named ... already" (a fixed --name)
+            lock.release()
+            log.error("%s: a worker of that name is registered in Redis (alive, or killed within the last few "
+                      "minutes): give another --name, or none (the default is unique)", exc)
+            sys.exit(EXIT_CONFIG)
         install_log_scrubbing(scrub)  # RQ's own handlers exist now
         code = 1
         try:
             with asyncio.Runner(loop_factory=new_loop) as runner:
                 code = runner.run(self._serve(config, queue, gpu, burst))
         finally:
+            with contextlib.suppress(redis.RedisError, OSError):
+                self.heartbeat()  # the final job counts, before RQ marks the worker dead
             self.teardown()
             lock.release()
         if code:
             sys.exit(code)
         return True
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        """RQ's heartbeat, and this worker's job counts in RQ's worker hash in the same round trip
+        (`rq info`: "jobs: N finished, M failed"). Counted as the worker counts them: succeeded; failed
+        (failed prompts and refused jobs, which go to RQ's failed registry)."""
+        service = getattr(self, "_service", None)
+        if service is None:
+            super().heartbeat(timeout, pipeline)
+            return
+        d = service.dispatcher
+        self.successful_job_count, self.failed_job_count = d.done, d.failed + d.refused
+        pipe = pipeline if pipeline is not None else self.connection.pipeline(transaction=False)
+        super().heartbeat(timeout, pipe)
+        pipe.hset(self.key, mapping={"successful_job_count": self.successful_job_count,
+                                     "failed_job_count": self.failed_job_count})
+        if pipeline is None:
+            pipe.execute()
 
     async def _serve(self, config: Config, queue: str, gpu: int, burst: bool) -> int:
         client = async_client_like(self.connection)
@@ -149,3 +234,6 @@ class GPUWorker(BaseWorker):
             return
         log.warning("ignored an RQ pubsub message on %s: %.80r", self.pubsub_channel_name,
                     command if command else message.get("data") if isinstance(message, dict) else message)
+
+
+preflight_rq_cli()

@@ -2,8 +2,9 @@
 show status, export, recover.
 
 Exit status: 0 done; 1 something needs attention (rejected lines, prompts still pending: `export`
-still writes the partial file); 2 usage, configuration, store, Redis or I/O errors (one line on
-stderr, no traceback); 130 interrupted. docs/cli.md lists every command and option. Settings come from
+still writes the partial file); 2 usage, configuration, store, Redis or I/O errors, a run that does
+not exist (one line on stderr, no traceback); 130 interrupted; 141 stdout closed (`| head`).
+docs/cli.md lists every command and option. Settings come from
 `BATCHFLEET_*` (see batchfleet.config); `--run`, `--redis-url`, `--state-dir` override them. Without
 `--state-dir`, commands use the store the run's marker in Redis names (see producer.locate).
 """
@@ -11,6 +12,7 @@ stderr, no traceback); 130 interrupted. docs/cli.md lists every command and opti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sqlite3
@@ -20,13 +22,25 @@ from typing import Any
 
 import redis
 
-from batchfleet.cliopts import add_common
+from batchfleet.cliopts import (
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    REDIS_HELP,
+    Parser,
+    UsageError,
+    add_common,
+    at_least,
+    broken_pipe,
+    error_line,
+    positive,
+)
 from batchfleet.config import Config, expand_queues
 from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.marker import repair_command
 from batchfleet.redact import Scrubber
+from batchfleet.runs import UnknownRun, require_run, runs_in, unknown_run_message
 
 from . import api, ends
 from .collect import collect_once
@@ -35,7 +49,7 @@ from .export import ExportError, export
 from .feed import feed_pass
 from .head import Head
 from .inputs import MissingExtra, input_problem
-from .locate import Located, Mode, ensure_marker, locate
+from .locate import Located, Mode, NoStore, ensure_marker, locate
 from .parse import Reject, check_sampling, parse_param
 from .queues import LIVE, live_queues
 from .recover import recover
@@ -46,29 +60,26 @@ from .store import StoreError
 __all__ = ["main"]
 
 
-class UsageError(Exception):
-    """Bad arguments: exit 2 with the message."""
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="producer", description=__doc__.split("\n")[0])
+    p = Parser(prog="producer", description=__doc__.split("\n\n")[0].replace("\n", " "))
     add_common(p)
-    p.add_argument("--state-dir", type=Path,
-                   help="directory of the run's store (BATCHFLEET_STATE_DIR; default: the one the run marker "
-                        "in Redis names, else .batchfleet)")
+    p.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="directory of the run's store (default: BATCHFLEET_STATE_DIR, else the one the run "
+                        "marker in Redis names, else .batchfleet)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     e = sub.add_parser("enqueue", help="validate a JSONL file into the run's store and feed a first window to Redis")
     e.add_argument("file", help="JSONL input: .jsonl, .jsonl.gz, .jsonl.zst, or '-' for stdin")
-    e.add_argument("--queues", help="queues to spread over: names, `hosta.gpu[0-7]` ranges, or `live` (the live "
-                   "workers' queues), comma-separated (default: BATCHFLEET_QUEUES)")
-    e.add_argument("--max-tokens", type=int, help="max_tokens for lines that do not set it")
-    e.add_argument("--temperature", type=float, help="temperature for lines that do not set it")
-    e.add_argument("--top-p", type=float, help="top_p for lines that do not set it")
+    e.add_argument("--queues", metavar="QUEUES",
+                   help="queues to spread over: names, `hosta.gpu[0-7]` ranges, or `live` (the live workers' queues), "
+                        "comma-separated (default: BATCHFLEET_QUEUES)")
+    e.add_argument("--max-tokens", type=int, metavar="N", help="max_tokens for lines that do not set it")
+    e.add_argument("--temperature", type=float, metavar="T", help="temperature for lines that do not set it")
+    e.add_argument("--top-p", type=float, metavar="P", help="top_p for lines that do not set it")
     e.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="default sampling parameter for lines that do not set it (repeatable)")
-    e.add_argument("--model", help="body.model when a line has none (default: model path or 'default')")
-    e.add_argument("--rejects", type=Path, help="rejected lines go here (default: FILE.rejects.jsonl)")
+    e.add_argument("--model", metavar="NAME", help="body.model when a line has none (default: model path or 'default')")
+    e.add_argument("--rejects", type=Path, metavar="FILE", help="rejected lines go here (default: FILE.rejects.jsonl)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
     e.add_argument("--rerun-changed", action="store_true",
                    help="custom_ids the store holds with another request run again with the new one (their old "
@@ -80,8 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text)
         if name == "collect":
             c.add_argument("--follow", action="store_true", help="keep going: the head process (`producer head`)")
-        c.add_argument("--interval", type=float, default=2.0, metavar="S",
-                       help="seconds between passes (default 2)")
+        c.add_argument("--interval", type=positive(), default=2.0, metavar="S", help="seconds between passes")
 
     s = sub.add_parser("status", help="where every prompt is (read-only; works from the store when Redis is down)")
     s.add_argument("--json", action="store_true", help="one JSON object (keys: docs/store.md, 'Status')")
@@ -96,12 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--errors", type=Path, metavar="FILE",
                    help="write failed prompts' lines here instead of into OUT (default: all lines in OUT)")
     x.add_argument("--wait", action="store_true", help="wait until no prompt is pending")
-    x.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
+    x.add_argument("--timeout", type=positive(), metavar="S", help="with --wait: give up waiting after S seconds")
 
     c = sub.add_parser("cancel", help="cancel the run: remove its queued prompts from Redis, make its workers drop "
                        "the in-flight ones; results so far are kept (export marks the rest `cancelled`)")
-    c.add_argument("--wait", type=float, default=30.0, metavar="S",
-                   help="wait this long for the live workers to confirm (default 30)")
+    c.add_argument("--wait", type=at_least(0), default=30.0, metavar="S",
+                   help="seconds to wait for the live workers to confirm")
     c = sub.add_parser("purge", help="delete every key of run RUN from Redis (SCAN; the store is kept)")
     c.add_argument("target", metavar="RUN", help="the run to purge")
     c.add_argument("--yes", action="store_true", help="really delete (without it: say what would go)")
@@ -113,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         if name != "runs":
             add_common(sp, sub=True)
         else:
-            sp.add_argument("--redis-url", default=argparse.SUPPRESS, metavar="URL", help="Redis URL")
+            sp.add_argument("--redis-url", default=argparse.SUPPRESS, metavar="URL", help=REDIS_HELP)
     return p
 
 
@@ -157,9 +167,8 @@ def _say_lost(config: Config, loc: Located) -> None:
           file=sys.stderr)
 
 
-def _run(args: argparse.Namespace, config: Config) -> int:
+def _run(args: argparse.Namespace, config: Config, r: redis.Redis) -> int:
     explicit = _state_dir_given(args)
-    r = connect(config.redis_url)
     if args.cmd == "runs":
         print(format_runs(list_runs(r), as_json=args.json))
         return 0
@@ -167,6 +176,8 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         if args.cmd == "cancel":
             return ends.run_cancel(config, r, explicit=explicit, wait_s=args.wait)
         config.with_(run=args.target)  # the same name rules as --run
+        # a typo must not be "purged" (and exit 0): the run must be there
+        require_run(r, args.target, where=f"in Redis at {redacted(config.redis_url)}")
         return ends.run_purge(config, r, args.target, yes=args.yes, force=args.force)
     if args.cmd == "status":
         loc = locate(config, r, explicit=explicit, mode=Mode.READ)
@@ -274,6 +285,9 @@ def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit:
     except (OSError, EOFError) as exc:  # a corrupt .gz/.zst, a read error
         if sigint:
             return _interrupted(config, r, explicit)
+        other = getattr(exc, "filename", None)
+        if other and str(other) != str(args.file):  # the store's directory, the rejects file
+            raise UsageError(f"{other}: {exc.strerror or exc}") from None
         raise UsageError(f"{args.file}: cannot read: {exc}") from None
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -296,7 +310,7 @@ def _interrupted(config: Config, r: redis.Redis, explicit: bool) -> int:
     stored = _stored(config, r, explicit)
     print(f"producer: interrupted: the store of run {config.run} holds {stored} prompt(s); run the same command "
           "again to resume: stored lines are skipped, none runs twice", file=sys.stderr)
-    return 130
+    return EXIT_INTERRUPTED
 
 
 def _stored(config: Config, r: redis.Redis, explicit: bool) -> str:
@@ -312,31 +326,53 @@ def _stored(config: Config, r: redis.Redis, explicit: bool) -> str:
         loc.store.close()
 
 
+def _no_such_run(config: Config, r: redis.Redis | None) -> str:
+    """NoStore said as "run X does not exist", with the runs that do (in Redis, or stores in the state dir)."""
+    known: set[str] = set()
+    if r is not None:
+        with contextlib.suppress(redis.RedisError, OSError):
+            known.update(runs_in(r))
+    with contextlib.suppress(OSError):
+        known.update(p.name.removesuffix(".sqlite") for p in config.state_dir.glob("*.sqlite"))
+    known.discard(config.run)
+    return unknown_run_message(config.run, sorted(known), where=(
+        f"(no marker {Keys(config.run).meta} in Redis at {redacted(config.redis_url)}, no store "
+        f"{config.results_db.absolute()}: nothing was enqueued in this run, or give --state-dir)"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    config = None
+    config: Config | None = None
+    r: redis.Redis | None = None
     scrub = Scrubber([])
 
-    def fail(text: str) -> None:
-        print(f"producer: {scrub(text)}", file=sys.stderr)
+    def fail(text: str) -> int:
+        error_line("producer", scrub(text))
+        return EXIT_USAGE
 
     try:
         config = Config.from_env(run=args.run, redis_url=args.redis_url, state_dir=args.state_dir)
         scrub = Scrubber.for_config(config)
-        return _run(args, config)
-    except (UsageError, ConfigError, StoreError) as exc:
-        fail(str(exc))
+        r = connect(config.redis_url)
+        return _run(args, config, r)
+    except BrokenPipeError:
+        return broken_pipe()
+    except NoStore:
+        assert config is not None
+        return fail(_no_such_run(config, r))
+    except (UsageError, ConfigError, StoreError, UnknownRun) as exc:
+        return fail(str(exc))
     except redis.RedisError as exc:
         url = redacted(config.redis_url) if config else "?"
-        fail(f"Redis at {url} failed: {type(exc).__name__}: {exc}")
+        return fail(f"Redis at {url} failed: {type(exc).__name__}: {exc}")
     except sqlite3.Error as exc:
         path = config.results_db if config else "?"
-        fail(f"store {path}: {exc}")
+        return fail(f"store {path}: {exc}")
+    except OSError as exc:  # a directory or file that cannot be made, read or written
+        return fail(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc))
     except KeyboardInterrupt:
-        print("producer: interrupted (what was written is kept: run the same command again to complete it)",
-              file=sys.stderr)
-        return 130
-    return 2
+        error_line("producer", "interrupted (what was written is kept: run the same command again to complete it)")
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -14,8 +14,13 @@ running the same command again resumes (the run name defaults to the input file'
 runs a finished prompt again. A second Ctrl-C kills the processes at once (still safe: leases).
 
 Exit status: 0 every prompt has a result and the file is written; 1 the export was written but
-some input lines were rejected; 2 usage, configuration, Redis or store error, or the processes
-died; 130 interrupted.
+some input lines were rejected; 2 usage, configuration, Redis, store or I/O error, or the processes
+died; 3 another `batchfleet run` of the run is active (nothing was started); 130 interrupted. One
+line on stderr, never a traceback.
+
+Files: the state dir is 0700; each run logs to <state dir>/logs/<run>/ (workers, head, supervisor,
+the servers), each launch under a header line; a lease in Redis (fleetrun.lease) keeps a second
+`batchfleet run` of the same run from starting anything.
 """
 
 from __future__ import annotations
@@ -35,7 +40,16 @@ from typing import Any, TextIO
 
 import redis
 
-from batchfleet.cliopts import add_common, common_parent
+from batchfleet.cliopts import (
+    EXIT_USAGE,
+    Parser,
+    UsageError,
+    add_common,
+    broken_pipe,
+    common_parent,
+    error_line,
+    positive,
+)
 from batchfleet.config import Config
 from batchfleet.connection import connect, redacted
 from batchfleet.errors import ConfigError
@@ -50,18 +64,16 @@ from producer.inputs import Lines, MissingExtra, input_problem
 from producer.status import gather_progress
 from producer.store import Store, StoreError
 
-from .redisproc import PrivateRedis, PrivateRedisError, answers
+from .lease import LaunchLease, RunActive
+from .redisproc import PrivateRedis, PrivateRedisBusy, PrivateRedisError, answers
 
-__all__ = ["main", "parse_gpus"]
+__all__ = ["UsageError", "main", "parse_gpus"]
 
-EXIT_OK, EXIT_ATTENTION, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_ATTENTION, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, EXIT_USAGE, 130
+EXIT_ACTIVE = 3  # another `batchfleet run` of the run is active
 BIN = Path(sys.executable).parent
 REDIS_HELP = ("Redis URL, used when it answers (default: BATCHFLEET_REDIS_URL, else REDIS_URL; none, or none "
               "answering: a private redis-server with an append-only file in the state dir)")
-
-
-class UsageError(Exception):
-    """Bad arguments or environment: exit 2 with the message."""
 
 
 def parse_gpus(text: str) -> tuple[int, ...]:
@@ -98,7 +110,7 @@ def run_name_for(path: Path) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="batchfleet", description="Run a JSONL file of prompts on this host's GPUs.")
+    p = Parser(prog="batchfleet", description="Run a JSONL file of prompts on this host's GPUs.")
     add_common(p, redis_help=REDIS_HELP)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="enqueue, serve on this host's GPUs, watch, export (resumable)",
@@ -110,18 +122,19 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("-o", "--output", type=Path, required=True, metavar="OUT",
                    help="the OpenAI batch output file (.jsonl, .jsonl.gz, .jsonl.zst by suffix)")
     r.add_argument("--errors", type=Path, metavar="FILE", help="write failed prompts here instead of into OUT")
-    r.add_argument("--gpus", help="GPU indices, e.g. 0-7 or 0,2,5 (default: every GPU nvidia-smi lists)")
+    r.add_argument("--gpus", metavar="GPUS",
+                   help="GPU indices, e.g. 0-7 or 0,2,5 (default: every GPU nvidia-smi lists)")
     r.add_argument("--dry-run", action="store_true",
                    help="the supervisor only advises (`supervisor watch --dry-run`): it restarts nothing")
-    r.add_argument("--state-dir", type=Path,
-                   help="the run's store, logs and private Redis (BATCHFLEET_STATE_DIR; default .batchfleet)")
+    r.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="the run's store, logs and private Redis (default: BATCHFLEET_STATE_DIR, else .batchfleet)")
     r.add_argument("--rejects", type=Path, metavar="FILE",
                    help="rejected input lines go here (default: <state dir>/<run>.rejects.jsonl)")
-    r.add_argument("--model", help="body.model when a line has none (default: BATCHFLEET_MODEL_PATH)")
+    r.add_argument("--model", metavar="NAME", help="body.model when a line has none (default: BATCHFLEET_MODEL_PATH)")
     r.add_argument("--no-supervisor", action="store_true", help="do not start `supervisor watch`")
-    r.add_argument("--progress-every", type=float, default=5.0, metavar="S",
+    r.add_argument("--progress-every", type=positive(), default=5.0, metavar="S",
                    help="seconds between progress lines when the output is not a terminal")
-    r.add_argument("--timeout", type=float, metavar="S", help="give up (drain, exit 2) after S seconds")
+    r.add_argument("--timeout", type=positive(), metavar="S", help="give up (drain, exit 2) after S seconds")
     r.add_argument("--rerun-changed", action="store_true",
                    help="custom_ids the run's store holds with another request run again with the new one (their "
                         "old results are replaced); without it such a file is refused (exit 2)")
@@ -267,6 +280,10 @@ class Procs:
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         with private_file(self.logs / f"{name}.log") as log:  # 0600: logs may quote prompts
+            # one file per process of the run; each launch of the run begins with this line
+            log.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} batchfleet run (pid {os.getpid()}) starts "
+                      f"{name} =====\n".encode())
+            log.flush()
             # a session of its own: the terminal's Ctrl-C reaches only us, and we drain in order
             return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
@@ -305,6 +322,7 @@ def _env(config: Config, url: str, run: str) -> dict[str, str]:
         "RQ_WORKER_CLASS": "worker.GPUWorker",
         "BATCHFLEET_RUN": run,
         "BATCHFLEET_STATE_DIR": str(config.state_dir),
+        "BATCHFLEET_LOG_DIR": str(config.logs),  # this run's: the servers' logs and pid files too
         # queues of its own (<run>.gpuN): a Redis shared with other work keeps its queues to itself
         "BATCHFLEET_QUEUE_PATTERN": re.escape(run) + r"\.gpu\d+",
         "PYTHONUNBUFFERED": "1",
@@ -343,9 +361,9 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
         raise UsageError("no GPU found (nvidia-smi lists none): give --gpus, e.g. --gpus 0-7")
     run = args.run or os.environ.get("BATCHFLEET_RUN") or run_name_for(args.file)
     config = Config.from_env(run=run, redis_url=args.redis_url, state_dir=args.state_dir)
-    config = config.with_(state_dir=config.state_dir.absolute())
     if not config.model_path:
         raise UsageError("BATCHFLEET_MODEL_PATH is not set: the model every GPU's server loads")
+    config = _own_dirs(config)
     keys = Keys(run)
     out = sys.stderr
     screen = Screen(out, args.progress_every)
@@ -356,7 +374,7 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
             url = given
             screen.say(f"Redis: {redacted(url)}")
         else:
-            private = PrivateRedis(config.state_dir / f"{run}.redis").start()
+            private = PrivateRedis(config.state_dir / f"{run}.redis", run=run).start()
             url = private.url
             screen.say(("Redis: none answers at " + redacted(given) + "; " if given else "Redis: ")
                        + f"a private redis-server at {url} (append-only file in {private.dir})")
@@ -370,8 +388,34 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
 
 def _serve(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, screen: Screen,
            stop: list[bool], force: list[bool]) -> int:
-    run = config.run
     r = connect(config.redis_url)
+    lease = LaunchLease(r, keys)
+    lease.acquire()  # before anything starts: a second `batchfleet run` of this run stops here
+    try:
+        return _enqueue_and_work(args, config, gpus, keys, screen, stop, force, r)
+    finally:
+        lease.release()
+
+
+def _own_dirs(config: Config) -> Config:
+    """The state dir (0700, like `producer enqueue`'s) and this run's log dir, <state dir>/logs/<run>
+    (logs are per run: another run in the same state dir never appends to them). A directory that
+    cannot be made or written is a usage error now, before anything starts."""
+    state = config.state_dir.absolute()
+    logs = ((config.log_dir or state / "logs") / config.run).absolute()
+    for what, path in (("state dir", state), ("log dir", logs)):
+        try:
+            private_dir(path)
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as exc:
+            raise UsageError(f"{what} {path} cannot be created or written: {exc.strerror or exc}") from None
+    return config.with_(state_dir=state, log_dir=logs)
+
+
+def _enqueue_and_work(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, screen: Screen,
+                      stop: list[bool], force: list[bool], r: redis.Redis) -> int:
+    run = config.run
     queues = tuple(f"{run}.gpu{g}" for g in gpus)
     done = api.enqueue(config, r, args.file, queues=queues, explicit=True, model=args.model or config.model_path,
                        rejects_path=args.rejects or config.state_dir / f"{run}.rejects.jsonl", progress=True,
@@ -423,8 +467,7 @@ def _work(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys:
 
 def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, store: Store,
                r: redis.Redis, screen: Screen, stop: list[bool], force: list[bool]) -> int:
-    logs = config.state_dir / "logs"
-    private_dir(logs)  # 0700
+    logs = config.logs  # <state dir>/logs/<run>, 0700 (see _own_dirs)
     env = _env(config, config.redis_url, config.run)
     procs = Procs(logs)
     events = Events(r, keys)
@@ -502,23 +545,31 @@ def main(argv: list[str] | None = None) -> int:
     def interrupt(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
+    def fail(text: str, code: int = EXIT_ERROR) -> int:
+        error_line("batchfleet", text)
+        return code
+
     # until the processes start, SIGTERM is a Ctrl-C: the private Redis is stopped on the way out
     old = signal.signal(signal.SIGTERM, interrupt)
     try:
         return _run(args, stop, force)
+    except BrokenPipeError:
+        return broken_pipe()
+    except (RunActive, PrivateRedisBusy) as exc:
+        return fail(str(exc), EXIT_ACTIVE)
     except (UsageError, ConfigError, StoreError, PrivateRedisError, MissingExtra) as exc:
-        print(f"batchfleet: {exc}", file=sys.stderr)
+        return fail(str(exc))
     except redis.RedisError as exc:
-        print(f"batchfleet: Redis failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return fail(f"Redis failed: {type(exc).__name__}: {exc}")
     except sqlite3.Error as exc:
-        print(f"batchfleet: store: {exc}", file=sys.stderr)
+        return fail(f"store: {exc}")
+    except OSError as exc:  # a file or directory that cannot be made, read or written
+        return fail(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc))
     except KeyboardInterrupt:
-        print("batchfleet: interrupted while enqueueing (what was stored is kept): run the same command again "
-              "to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return fail("interrupted while enqueueing (what was stored is kept): run the same command again to resume",
+                    EXIT_INTERRUPTED)
     finally:
         signal.signal(signal.SIGTERM, old)
-    return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -18,11 +18,28 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["PrivateRedis", "PrivateRedisError", "answers"]
+from batchfleet.procs import pid_alive
+from batchfleet.redact import private_dir
+
+HOST = socket.gethostname()
+
+__all__ = ["PrivateRedis", "PrivateRedisBusy", "PrivateRedisError", "answers"]
 
 
 class PrivateRedisError(Exception):
     """The private redis-server could not start (a message a person can act on)."""
+
+
+class PrivateRedisBusy(PrivateRedisError):
+    """A live redis-server already uses the directory: another `batchfleet run` of the run is active."""
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def answers(url: str, timeout_s: float = 1.0) -> bool:
@@ -43,21 +60,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class PrivateRedis:
     """`start()` / `stop()` (SIGTERM: Redis flushes its AOF and exits), or use as a context manager."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, run: str = "") -> None:
         self.dir = directory
+        self.run = run or directory.name.removesuffix(".redis")
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -74,13 +82,18 @@ class PrivateRedis:
         if exe is None:
             raise PrivateRedisError("no Redis answers at REDIS_URL and redis-server is not installed: install it "
                                     "(apt-get install redis-server) or set REDIS_URL to a Redis that answers")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         os.chmod(self.dir, 0o700)  # the run's prompts are in the AOF
         with contextlib.suppress(FileNotFoundError, ValueError):
             pid = int(self.pidfile.read_text().strip())
-            if _alive(pid):
-                raise PrivateRedisError(f"a redis-server (pid {pid}) already uses {self.dir}: another `batchfleet "
-                                        "run` of this run is still running (or its Redis outlived it: stop that pid)")
+            if pid_alive(pid):
+                parent = _parent_of(pid)
+                if parent is not None and parent > 1:
+                    raise PrivateRedisBusy(f"another batchfleet run of {self.run} is active ({HOST}, pid {parent}): "
+                                           f"its private redis-server (pid {pid}) uses {self.dir}; nothing was "
+                                           "started")
+                raise PrivateRedisBusy(f"a redis-server (pid {pid}) already uses {self.dir}: the `batchfleet run` of "
+                                       f"{self.run} that started it is gone but its Redis outlived it: stop that pid")
         self.port = _free_port()
         log = (self.dir / "redis.log").open("ab")
         self.proc = subprocess.Popen(
@@ -93,9 +106,10 @@ class PrivateRedis:
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
         while True:
             if self.proc.poll() is not None:
-                tail = (self.dir / "redis.log").read_text(errors="replace")[-1500:]
-                raise PrivateRedisError(f"redis-server exited {self.proc.returncode} at start; its log "
-                                        f"({self.dir / 'redis.log'}):\n{tail}")
+                lines = (self.dir / "redis.log").read_text(errors="replace").strip().splitlines()
+                last = lines[-1].strip() if lines else "no output"
+                raise PrivateRedisError(f"redis-server exited {self.proc.returncode} at start: {last} (its log: "
+                                        f"{self.dir / 'redis.log'})")
             try:
                 client.ping()  # also answers LOADING while it reads the AOF: wait for a real PONG
                 break

@@ -66,7 +66,7 @@ def main() -> int:
     code = subprocess.run(cmd, env=env, check=False).returncode
     elapsed = time.monotonic() - t0
     if code not in (0, 1) or not out.exists():  # 1: the sample's deliberately bad lines were rejected
-        console.print(f"[red]batchfleet run exited {code}; logs in {workdir / 'logs'}")
+        console.print(f"[red]batchfleet run exited {code}; logs in {workdir / 'logs' / run}")
         return code or 1
     summary(out, workdir, run, elapsed)
     shared = os.environ.get("BATCHFLEET_REDIS_URL") or os.environ.get("REDIS_URL")

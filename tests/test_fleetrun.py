@@ -111,13 +111,13 @@ def test_batchfleet_run_on_two_simulated_gpus_with_a_private_redis(tmp_path: Pat
     assert served(tmp_path) == 60  # every prompt reached a server exactly once
     state = tmp_path / ".batchfleet"
     assert (state / "prompts.redis" / "appendonlydir").is_dir()  # the private Redis kept an AOF
-    assert {"worker-gpu0.log", "worker-gpu1.log", "head.log", "supervisor.log"} <= {
-        f.name for f in (state / "logs").iterdir()}
+    logs = state / "logs" / "prompts"  # the run's own
+    assert {"worker-gpu0.log", "worker-gpu1.log", "head.log", "supervisor.log"} <= {f.name for f in logs.iterdir()}
     # the private Redis is gone: it removes its pid file on a clean shutdown (or the pid is dead)
     # Logs may quote prompts and servers' flags: only their owner reads them.
-    assert (state / "logs").stat().st_mode & 0o777 == 0o700
-    assert {f.name: f.stat().st_mode & 0o777 for f in (state / "logs").iterdir() if f.suffix == ".log"} == \
-        {f.name: 0o600 for f in (state / "logs").iterdir() if f.suffix == ".log"}
+    assert (state / "logs").stat().st_mode & 0o777 == 0o700 and logs.stat().st_mode & 0o777 == 0o700
+    assert {f.name: f.stat().st_mode & 0o777 for f in logs.iterdir() if f.suffix == ".log"} == \
+        {f.name: 0o600 for f in logs.iterdir() if f.suffix == ".log"}
     pidfile = state / "prompts.redis" / "redis.pid"
     if pidfile.exists():
         with pytest.raises(ProcessLookupError):

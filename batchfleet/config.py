@@ -100,6 +100,11 @@ class Config:
     # A finished run's keys (every prompt has its result in the store) expire after this (see producer.ends).
     finished_ttl_s: int = FINISHED_TTL_S
 
+    # `batchfleet serve`: the bearer API keys it accepts (comma-separated), or a file of them (one a
+    # line, mode 0600). Secrets: never shown; the API keeps only their SHA-256.
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: Path | None = None
+
     def __post_init__(self) -> None:
         problem = redis_url_problem(self.redis_url)
         if problem:
@@ -146,6 +151,8 @@ class Config:
                 value = redact_url(value)
             elif f.name == "server_api_key" and value:
                 value = MASK
+            elif f.name == "api_keys":
+                value = tuple(MASK for _ in value)
             elif f.name == "server_args":
                 value = shlex.join(redact_argv(shlex.split(value)))
             shown.append(f"{f.name}={value!r}")

@@ -33,6 +33,8 @@ under `bf:<run>:`.
 | bf:<run>:cancel | hash | producer/worker | `producer cancel` was run: `at`; `ack:<worker>` = prompts dropped |
 | bf:<run>:refeed | list | worker | custom_ids of trimmed failed jobs `rq requeue` brought back: the head feeds them |
 | bf:<run>:launcher | string | batchfleet run | lease of the live `batchfleet run` (host, pid; LAUNCHER_TTL_S) |
+| bf:<run>:drop | set | producer | job ids of prompts cancelled while fed (DROP_TTL_S, renewed on each add) (***) |
+| bf:<run>:signals | channel | producer | PUBLISH `{"drop": n}` after adding n job ids to `drop` (***) |
 
 Counters in `bf:<run>:stats` (`<name>:<queue>` counts per origin queue where noted):
 `enqueued`(:q), `succeeded`(:q), `failed`(:q; includes quarantined prompts), `completion_tokens`,
@@ -53,6 +55,14 @@ the store; `rq requeue` still works: the worker hands it to the head through `re
 store has prompts in Redis (FED) means Redis lost the run's data (see `batchfleet.marker`).
 (**) Gauges, not counters, set by the head on each pass: prompts in the store it has not fed to Redis
 yet (`store_waiting`), and prompts in the store without a result (`store_pending`).
+(***) How a cancel reaches the workers at once (`producer.ends.announce_drop`: `producer cancel` of a
+run, the cancel or expiry of a `batchfleet serve` batch, which is a subset of its run's prompts). The
+producer SADDs the job ids of the cancelled prompts that were fed, then PUBLISHes `{"drop": n}` on
+`signals`. A worker drops every in-flight prompt whose job id is in `drop` (SMISMEMBER of what it
+holds, on each message and at its lease beat in case it missed one): it cancels the request (the
+server aborts it), releases the lease and publishes nothing. The producer has already removed those
+jobs and their leases, so a result that would still come is refused as stale. Job ids are never
+reused for another request of a cancelled prompt, so the set only grows until its TTL.
 """
 
 from __future__ import annotations
@@ -99,6 +109,7 @@ STRIKES_TTL_S = 7 * 24 * 3600  # a prompt's server-death count outlives any work
 FINISHED_TTL_S = 7 * 24 * 3600  # default life of a finished run's keys (config `finished_ttl_s`)
 TRIMMED = "trimmed"  # field of a failed job hash whose `data` was trimmed (its original size in bytes)
 LAUNCHER_TTL_S = 15  # a `batchfleet run` killed with -9 blocks the next one on another host at most this long
+DROP_TTL_S = 24 * 3600  # the drop set lives a day past its last addition
 EVENTS_MAXLEN = 10_000
 HISTORY_MAXLEN = 100_000  # one fleet sample per second is a day of history
 
@@ -227,6 +238,16 @@ class Keys:
         return self.prefix + "launcher"
 
     @property
+    def drop(self) -> str:
+        """Job ids whose prompts were cancelled while fed: workers drop them in flight (see the table)."""
+        return self.prefix + "drop"
+
+    @property
+    def signals(self) -> str:
+        """The run's pub/sub channel: `{"drop": n}` when job ids were added to `drop`."""
+        return self.prefix + "signals"
+
+    @property
     def pattern(self) -> str:
         """SCAN MATCH pattern of every batchfleet key of the run (run names hold no glob characters)."""
         return self.prefix + "*"
@@ -235,7 +256,7 @@ class Keys:
         """The run's fixed batchfleet keys (status:<worker> records expire by themselves)."""
         return [self.leases, self.done, self.results, self.meta, self.stats, self.strikes, self.suspects,
                 self.isolate, self.workers, self.events, self.control, self.history, self.autopilot, self.cancel,
-                self.refeed]
+                self.refeed]  # not `drop`: it keeps its own TTL (DROP_TTL_S), which enqueueing again must not lift
 
     CONTROL_FLEET = "fleet"
 

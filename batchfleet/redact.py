@@ -124,8 +124,10 @@ class Scrubber:
 
     @classmethod
     def for_config(cls, config: Any) -> Scrubber:
-        """The secrets of a `batchfleet.config.Config`: the server API key and the Redis password."""
-        secrets = [getattr(config, "server_api_key", "") or "", *url_secrets(getattr(config, "redis_url", ""))]
+        """The secrets of a `batchfleet.config.Config`: the server API key, the Redis password and the
+        API keys of `batchfleet serve`."""
+        secrets = [getattr(config, "server_api_key", "") or "", *url_secrets(getattr(config, "redis_url", "")),
+                   *(getattr(config, "api_keys", ()) or ())]  # `batchfleet serve`'s bearer keys
         secrets += argv_secrets(shlex.split(getattr(config, "server_args", "") or ""))
         return cls(secrets)
 

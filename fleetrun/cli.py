@@ -4,7 +4,8 @@
        redis-server with an append-only file in the state dir (fleetrun.redisproc).
     2. The file into the run's store (`producer enqueue`'s code: idempotent by custom_id).
     3. One `rq worker <run>.gpuN` per GPU (RQ_WORKER_CLASS=worker.GPUWorker), `producer head`,
-       `supervisor watch` (`--dry-run`: it only advises); their output goes to <state dir>/logs/.
+       `supervisor watch` (`--dry-run`: it only advises), started by fleetrun.launch (as `batchfleet
+       serve` starts them); their output goes to <state dir>/logs/<run>/.
     4. One progress line (bar, done/total, ETA, tok/s, live workers) and one line per supervisor or worker
        event. tok/s, there and in the summary, is completion tokens per wall-clock second of this run.
     5. When no prompt is pending: stop the processes (SIGTERM: workers stop their servers), export.
@@ -28,13 +29,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import sqlite3
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -51,12 +49,10 @@ from batchfleet.cliopts import (
     positive,
 )
 from batchfleet.config import Config
-from batchfleet.connection import connect, redacted
+from batchfleet.connection import connect
 from batchfleet.errors import ConfigError
 from batchfleet.fleetview import duration_text
 from batchfleet.keys import Keys
-from batchfleet.records import Event
-from batchfleet.redact import private_dir, private_file
 from producer import api
 from producer.collect import collect_once
 from producer.export import ExportError, check_target, export, write_empty
@@ -64,43 +60,28 @@ from producer.inputs import Lines, MissingExtra, input_problem
 from producer.status import gather_progress
 from producer.store import Store, StoreError
 
+from . import serve
+from .launch import (
+    Events,
+    Procs,
+    detect_gpus,
+    event_line,
+    fleet_redis,
+    gpu_groups,
+    own_dirs,
+    parse_gpus,
+    queues_of,
+    start_fleet,
+)
 from .lease import LaunchLease, RunActive
-from .redisproc import PrivateRedis, PrivateRedisBusy, PrivateRedisError, answers
+from .redisproc import PrivateRedisBusy, PrivateRedisError
 
 __all__ = ["UsageError", "main", "parse_gpus"]
 
 EXIT_OK, EXIT_ATTENTION, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, EXIT_USAGE, 130
 EXIT_ACTIVE = 3  # another `batchfleet run` of the run is active
-BIN = Path(sys.executable).parent
 REDIS_HELP = ("Redis URL, used when it answers (default: BATCHFLEET_REDIS_URL, else REDIS_URL; none, or none "
               "answering: a private redis-server with an append-only file in the state dir)")
-
-
-def parse_gpus(text: str) -> tuple[int, ...]:
-    """`0-7`, `0,2,5`, `0-3,6`: GPU indices on this host (not a count)."""
-    out: list[int] = []
-    for part in (p.strip() for p in text.split(",")):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m:
-            raise UsageError(f"--gpus wants GPU indices like 0-7 or 0,2,5, got {text!r}")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-        if lo > hi or hi > 1023:
-            raise UsageError(f"--gpus: {part!r} is not a range of GPU indices")
-        out.extend(range(lo, hi + 1))
-    return tuple(dict.fromkeys(out))
-
-
-def detect_gpus() -> tuple[int, ...]:
-    """The GPUs `nvidia-smi` lists (the simulator's stand-in answers the same way)."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return ()
-    try:
-        text = subprocess.run([exe, "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ()
-    return tuple(int(x) for x in (line.strip() for line in text.splitlines()) if x.isdigit())
 
 
 def run_name_for(path: Path) -> str:
@@ -110,7 +91,8 @@ def run_name_for(path: Path) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = Parser(prog="batchfleet", description="Run a JSONL file of prompts on this host's GPUs.")
+    p = Parser(prog="batchfleet", description="Run a JSONL file of prompts on this host's GPUs, "
+               "or serve the OpenAI Batch API on a fleet.")
     add_common(p, redis_help=REDIS_HELP)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="enqueue, serve on this host's GPUs, watch, export (resumable)",
@@ -138,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--rerun-changed", action="store_true",
                    help="custom_ids the run's store holds with another request run again with the new one (their "
                         "old results are replaced); without it such a file is refused (exit 2)")
+    serve.add_parser(sub, common_parent(run_help=f"the run whose fleet serves the batches (default: BATCHFLEET_RUN, "
+                                                 f"else {serve.DEFAULT_RUN!r})", redis_help=REDIS_HELP))
     return p
 
 
@@ -247,94 +231,6 @@ class Screen:
             self.bar = None
 
 
-def event_line(e: Event) -> str:
-    first = e.message.splitlines()[0] if e.message else ""
-    return f"{time.strftime('%H:%M:%S', time.localtime(e.ts))} {e.source or '?'} {e.kind}: {first}"
-
-
-class Events:
-    """New events of the run's stream since this launch."""
-
-    def __init__(self, r: redis.Redis, keys: Keys) -> None:
-        self.r, self.key = r, keys.events
-        last = r.xrevrange(self.key, count=1)
-        self.after = last[0][0] if last else b"0-0"
-
-    def new(self) -> list[Event]:
-        out = []
-        for eid, fields in self.r.xrange(self.key, min=b"(" + self.after, count=500):
-            self.after = eid
-            try:
-                out.append(Event.from_json(fields[b"e"]))
-            except Exception:  # a record this version cannot read: skip it, never stop the run
-                continue
-        return out
-
-
-# --- processes --------------------------------------------------------------------------------------
-@dataclass
-class Procs:
-    logs: Path
-    workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
-    others: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with private_file(self.logs / f"{name}.log") as log:  # 0600: logs may quote prompts
-            # one file per process of the run; each launch of the run begins with this line
-            log.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} batchfleet run (pid {os.getpid()}) starts "
-                      f"{name} =====\n".encode())
-            log.flush()
-            # a session of its own: the terminal's Ctrl-C reaches only us, and we drain in order
-            return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-
-    def all(self) -> list[subprocess.Popen[bytes]]:
-        return [*self.workers.values(), *self.others.values()]
-
-    def tail(self, name: str, n: int = 1500) -> str:
-        path = self.logs / f"{name}.log"
-        return path.read_text(errors="replace")[-n:] if path.exists() else ""
-
-    def stop(self, timeout_s: float, force: list[bool]) -> dict[str, int | None]:
-        """SIGTERM the workers (they hand back what they hold and stop their servers), then the head and
-        the supervisor; SIGKILL whatever outlives `timeout_s` or when `force[0]` turns true (a second Ctrl-C)."""
-        codes: dict[str, int | None] = {}
-        for group in ({f"worker-gpu{g}": p for g, p in self.workers.items()}, self.others):
-            for p in group.values():
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while any(p.poll() is None for p in group.values()) and time.monotonic() < deadline and not force[0]:
-                time.sleep(0.1)
-            for name, p in group.items():
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
-                codes[name] = p.returncode
-        return codes
-
-
-def _env(config: Config, url: str, run: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("BATCHFLEET_QUEUES",)}
-    env.update({
-        "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-        "REDIS_URL": url, "BATCHFLEET_REDIS_URL": url, "RQ_REDIS_URL": url,
-        "RQ_WORKER_CLASS": "worker.GPUWorker",
-        "BATCHFLEET_RUN": run,
-        "BATCHFLEET_STATE_DIR": str(config.state_dir),
-        "BATCHFLEET_LOG_DIR": str(config.logs),  # this run's: the servers' logs and pid files too
-        # queues of its own (<run>.gpuN): a Redis shared with other work keeps its queues to itself
-        "BATCHFLEET_QUEUE_PATTERN": re.escape(run) + r"\.gpu\d+",
-        "PYTHONUNBUFFERED": "1",
-    })
-    return env
-
-
-def _exe(name: str) -> str:
-    path = BIN / name
-    return str(path) if path.exists() else (shutil.which(name) or name)
-
-
 # --- the command ------------------------------------------------------------------------------------
 def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
     problem = input_problem(args.file)
@@ -363,27 +259,16 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
     config = Config.from_env(run=run, redis_url=args.redis_url, state_dir=args.state_dir)
     if not config.model_path:
         raise UsageError("BATCHFLEET_MODEL_PATH is not set: the model every GPU's server loads")
-    config = _own_dirs(config)
+    config = own_dirs(config)
     keys = Keys(run)
     out = sys.stderr
     screen = Screen(out, args.progress_every)
-    private: PrivateRedis | None = None
     given = args.redis_url or os.environ.get("BATCHFLEET_REDIS_URL") or os.environ.get("REDIS_URL")
     try:
-        if given and answers(given):
-            url = given
-            screen.say(f"Redis: {redacted(url)}")
-        else:
-            private = PrivateRedis(config.state_dir / f"{run}.redis", run=run).start()
-            url = private.url
-            screen.say(("Redis: none answers at " + redacted(given) + "; " if given else "Redis: ")
-                       + f"a private redis-server at {url} (append-only file in {private.dir})")
-        config = config.with_(redis_url=url)
-        return _serve(args, config, gpus, keys, screen, stop, force)
+        with fleet_redis(config, given, screen.say) as url:
+            return _serve(args, config.with_(redis_url=url), gpus, keys, screen, stop, force)
     finally:
         screen.close()
-        if private is not None:
-            private.stop()
 
 
 def _serve(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, screen: Screen,
@@ -397,26 +282,10 @@ def _serve(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys
         lease.release()
 
 
-def _own_dirs(config: Config) -> Config:
-    """The state dir (0700, like `producer enqueue`'s) and this run's log dir, <state dir>/logs/<run>
-    (logs are per run: another run in the same state dir never appends to them). A directory that
-    cannot be made or written is a usage error now, before anything starts."""
-    state = config.state_dir.absolute()
-    logs = ((config.log_dir or state / "logs") / config.run).absolute()
-    for what, path in (("state dir", state), ("log dir", logs)):
-        try:
-            private_dir(path)
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise PermissionError(13, "Permission denied")
-        except OSError as exc:
-            raise UsageError(f"{what} {path} cannot be created or written: {exc.strerror or exc}") from None
-    return config.with_(state_dir=state, log_dir=logs)
-
-
 def _enqueue_and_work(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, screen: Screen,
                       stop: list[bool], force: list[bool], r: redis.Redis) -> int:
     run = config.run
-    queues = tuple(f"{run}.gpu{g}" for g in gpus)
+    queues = queues_of(run, gpu_groups(gpus))
     done = api.enqueue(config, r, args.file, queues=queues, explicit=True, model=args.model or config.model_path,
                        rejects_path=args.rejects or config.state_dir / f"{run}.rejects.jsonl", progress=True,
                        rerun_changed=args.rerun_changed)
@@ -467,20 +336,12 @@ def _work(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys:
 
 def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, store: Store,
                r: redis.Redis, screen: Screen, stop: list[bool], force: list[bool]) -> int:
-    logs = config.logs  # <state dir>/logs/<run>, 0700 (see _own_dirs)
-    env = _env(config, config.redis_url, config.run)
+    logs = config.logs  # <state dir>/logs/<run>, 0700 (see launch.own_dirs)
     procs = Procs(logs)
     events = Events(r, keys)
     screen.rate = Throughput(gather_progress(r, keys, store)["completion_tokens"])
-    for g in gpus:
-        procs.workers[g] = procs.start(f"worker-gpu{g}", [_exe("rq"), "worker", f"{config.run}.gpu{g}"], env)
-    procs.others["head"] = procs.start("head", [_exe("producer"), "head", "--interval", "1"], env)
-    if not args.no_supervisor:
-        procs.others["supervisor"] = procs.start(
-            "supervisor", [_exe("supervisor"), "watch", *(["--dry-run"] if args.dry_run else [])], env)
-    screen.say(f"started {len(gpus)} worker(s) ({config.run}.gpu{gpus[0]} ...), the head"
-               + ("" if args.no_supervisor else ", the supervisor" + (" (advising only)" if args.dry_run else ""))
-               + f"; logs in {logs}")
+    started = start_fleet(procs, config, gpu_groups(gpus), supervisor=not args.no_supervisor, dry_run=args.dry_run)
+    screen.say(f"{started}; logs in {logs}")
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     said_down: set[tuple[str, str]] = set()
     code = EXIT_OK
@@ -540,6 +401,8 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "serve":
+        return serve.main(args)
     stop, force = [False], [False]
 
     def interrupt(_sig: int, _frame: object) -> None:

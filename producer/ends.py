@@ -1,23 +1,30 @@
 """How a run ends: cancelled, purged, or finished (its keys expire); and failed jobs kept lean.
 
-**Cancel** (`producer cancel`). In this order, each step safe to repeat (run it again after a crash):
+**Cancel** (`producer cancel`: the whole run; `cancel_prompts` with a `Span`: a part of it, e.g. one
+`batchfleet serve` batch, while the rest runs on). In this order, each step safe to repeat (run it
+again after a crash):
 
-  1. the store marks every WAITING prompt CANCELLED (the head never feeds it), with `cancelled_at`;
-  2. the cancel flag `Keys.cancel` is set: each worker of the run, at its next lease beat, stops
-     claiming, cancels its in-flight requests (their HTTP connections close: the server aborts them),
-     releases their leases without putting them back, publishes nothing for them, and acknowledges
-     (`ack:<worker>` = prompts it dropped);
-  3. `scripts.CANCEL` removes each fed prompt's job atomically: queued (its queue, `suspects`, `isolate`),
+  1. the store marks every WAITING prompt (of the span) CANCELLED (the head never feeds it); a
+     whole run is marked cancelled (`cancelled_at`: the head feeds nothing more);
+  2. a whole run's cancel flag `Keys.cancel` is set: each worker of the run, at its next lease beat,
+     stops claiming, cancels its in-flight requests (their HTTP connections close: the server aborts
+     them), releases their leases without putting them back, publishes nothing for them, and
+     acknowledges (`ack:<worker>` = prompts it dropped);
+  3. the job ids of the FED prompts go into `Keys.drop` and `{"drop": n}` is published on
+     `Keys.signals` (`announce_drop`): a worker drops those of them it runs at once (see keys.py);
+  4. `scripts.CANCEL` removes each fed prompt's job atomically: queued (its queue, `suspects`, `isolate`),
      started (its leases and started-registry entries: a late finish of it is refused as stale) or
      failed without a result; a job whose result is in the stream is left to be collected;
-  4. results already in the stream are collected (they stay, and export as they are);
-  5. the store marks the FED prompts still without a result CANCELLED, and their jobs are removed
-     once more (a head in the middle of a feed pass when the flag went up);
-  6. it waits (bounded) for the acknowledgements of the run's live workers;
-  7. the run has ended: its keys get their end-of-run TTL (below), head or no head.
+  5. results already in the stream are collected (they stay, and export as they are);
+  6. the store marks the FED prompts (of the span) still without a result CANCELLED, and their jobs
+     are removed once more (a head in the middle of a feed pass when the flag went up);
+  7. a whole run: it waits (bounded) for the acknowledgements of the run's live workers, and the run
+     has ended: its keys get their end-of-run TTL (below), head or no head.
 
-A cancelled prompt's export line is `error.code == "cancelled"`: results == prompts still holds. A
-result that arrives anyway (a worker that finished before it saw the flag) replaces that line.
+A cancelled prompt's export line is `error.code == "cancelled"` (a serve batch's: OpenAI's
+`batch_cancelled` or `batch_expired`): results == prompts still holds. A result that arrives anyway
+(a worker that finished before it saw the flag) replaces that line in the store; a serve batch's
+output files were written when its cancel ended and do not change.
 
 **Purge** (`producer purge RUN --yes`): every key of the run, found with SCAN (never KEYS): the
 run's RQ jobs (their `data` ends with the run's name, see `feed`), their entries in queues and RQ's
@@ -41,7 +48,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import orjson
@@ -51,28 +58,31 @@ from batchfleet.config import Config
 from batchfleet.connection import redacted
 from batchfleet.errors import ErrorCode
 from batchfleet.fleetview import read_fleet_view
-from batchfleet.keys import RQ_JOB_PREFIX, RQ_QUEUES, RQ_WORKER_PREFIX, RQ_WORKERS, Keys, valid_queue_name
+from batchfleet.keys import DROP_TTL_S, RQ_JOB_PREFIX, RQ_QUEUES, RQ_WORKER_PREFIX, RQ_WORKERS, Keys, valid_queue_name
 from batchfleet.marker import FINISHED, read_marker
 from batchfleet.records import RecordError, job_id_for
 from batchfleet.rqlayout import execution_job
 
 from .collect import collect_once
 from .scripts import CANCEL, EXPIRE, EXPIRE_FAILED, RUN_JOBS
-from .store import State, Store
+from .store import Span, State, Store
 
-__all__ = ["CANCELLED", "CancelSummary", "PurgeRefused", "PurgeSummary", "cancel", "cancelled_line",
-           "expire_finished", "live_workers", "mark_ended", "purge", "refeed", "run_cancel", "run_purge"]
+__all__ = ["CANCELLED", "CancelSummary", "PurgeRefused", "PurgeSummary", "announce_drop", "cancel", "cancel_prompts",
+           "cancelled_line", "expire_finished", "live_workers", "mark_ended", "purge", "refeed", "run_cancel",
+           "run_purge"]
 
 CANCELLED = ErrorCode.CANCELLED  # the export's error code of a cancelled prompt
 PAGE = 1000
 
-def cancelled_line(run: str, cid: str, at: float) -> bytes:
-    """The export line of a prompt cancelled before it had a result."""
+def cancelled_line(run: str, cid: str, at: float, *, code: str = CANCELLED, message: str | None = None) -> bytes:
+    """The export line of a prompt cancelled before it had a result (`code` and `message`: a serve
+    batch's own, in OpenAI's words)."""
     jid = job_id_for(run, cid)
+    if message is None:
+        message = (f"run {run} was cancelled (producer cancel) at "
+                   f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(at))} before this prompt had a result")
     return orjson.dumps({"id": f"batch_req_{jid}", "custom_id": cid, "response": None,
-                         "error": {"code": CANCELLED, "message": f"run {run} was cancelled (producer cancel) at "
-                                   f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(at))} before this prompt "
-                                   "had a result"}})
+                         "error": {"code": code, "message": message}})
 
 
 def live_workers(r: redis.Redis, keys: Keys) -> list[str]:
@@ -111,32 +121,55 @@ def _remove_jobs(r: redis.Redis, keys: Keys, cids: Iterable[str], into: dict[str
         go()
 
 
-def cancel(r: redis.Redis, store: Store, keys: Keys, *, wait_s: float = 30.0, poll_s: float = 0.25,
-           ttl_s: int | None = None) -> CancelSummary:
-    """Cancel the run (see the module doc). `ttl_s`: then give the run's keys their end-of-run TTL (as
-    the head does once it sees the run ended), so they expire even without a head."""
+def announce_drop(r: redis.Redis, keys: Keys, job_ids: list[str]) -> None:
+    """Tell the run's workers to drop these prompts in flight: their job ids into `Keys.drop` (its TTL
+    renewed), then `{"drop": n}` on `Keys.signals` (see keys.py)."""
+    if not job_ids:
+        return
+    pipe = r.pipeline(transaction=False)
+    for i in range(0, len(job_ids), PAGE):
+        pipe.sadd(keys.drop, *job_ids[i : i + PAGE])
+    pipe.expire(keys.drop, DROP_TTL_S)
+    pipe.publish(keys.signals, orjson.dumps({"drop": len(job_ids)}))
+    pipe.execute()
+
+
+def cancel_prompts(r: redis.Redis, store: Store, keys: Keys, line_for: Callable[[str], bytes], at: float, *,
+                   span: Span | None = None) -> CancelSummary:
+    """Steps 1-6 of the module doc for the prompts of `span` (None: the whole run, flag included):
+    every one without a result ends CANCELLED with `line_for(cid)` as its export line."""
     out = CancelSummary()
-    at = time.time()
-    run = keys.run
-
-    def line(cid: str) -> bytes:
-        return cancelled_line(run, cid, at)
-
     with store.write():
-        first = store.cancel([State.WAITING], line, at)
-    r.hset(keys.cancel, "at", repr(at))
+        first = store.cancel([State.WAITING], line_for, at, span=span)
+    if span is None:
+        r.hset(keys.cancel, "at", repr(at))
     with store.read():
-        fed = [cid for _, cid in store.db.execute("SELECT seq, cid FROM prompts WHERE state = 1").fetchall()]
+        fed = store.fed_cids(span)
+    announce_drop(r, keys, [job_id_for(keys.run, cid) for cid in fed])
     removed: dict[str, int] = {}
     _remove_jobs(r, keys, [*(cid for _, cid in first), *fed], removed)
 
     got = collect_once(r, store, keys)
     out.collected = got.stored
     with store.write():
-        rest = store.cancel([State.FED, State.WAITING], line, at)
+        rest = store.cancel([State.FED, State.WAITING], line_for, at, span=span)
     _remove_jobs(r, keys, (cid for _, cid in rest), {})
     out.cancelled = len(first) + len(rest)
     out.removed = {k: removed[k] for k in ("queued", "in_flight", "failed") if removed.get(k)}
+    return out
+
+
+def cancel(r: redis.Redis, store: Store, keys: Keys, *, wait_s: float = 30.0, poll_s: float = 0.25,
+           ttl_s: int | None = None) -> CancelSummary:
+    """Cancel the run (see the module doc). `ttl_s`: then give the run's keys their end-of-run TTL (as
+    the head does once it sees the run ended), so they expire even without a head."""
+    at = time.time()
+    run = keys.run
+
+    def line(cid: str) -> bytes:
+        return cancelled_line(run, cid, at)
+
+    out = cancel_prompts(r, store, keys, line, at)
     deadline = time.monotonic() + wait_s
     while True:
         live = live_workers(r, keys)

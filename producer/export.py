@@ -11,7 +11,8 @@ Lines come out in input order (the store's `seq`), each exactly `Result.batch_ou
 collector stored it; only prompts enqueued into the store can have one (see collect.py). The file is
 written next to its destination and renamed into place, so a reader never sees half an export.
 With Redis up, results waiting in Redis are collected first; with Redis down, the store alone is
-exported (read-only).
+exported (read-only). `write_export` is the writing half alone, also for one `Span` of the store
+(a `batchfleet serve` batch: its lines rewritten, its files private).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +33,9 @@ from batchfleet.keys import Keys
 
 from .collect import collect_once
 from .inputs import compression_of, open_output
-from .store import Store
+from .store import Span, Store
 
-__all__ = ["PARQUET_COLUMNS", "ExportError", "ExportSummary", "check_target", "export", "write_empty"]
+__all__ = ["PARQUET_COLUMNS", "ExportError", "ExportSummary", "check_target", "export", "write_empty", "write_export"]
 
 
 class ExportError(Exception):
@@ -85,12 +87,13 @@ def _pyarrow() -> Any:
 class _Target:
     """One destination written next to itself and renamed into place (a reader never sees half)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, private: bool = False) -> None:
         self.path = path
         fd, self.tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make the export private to this user
+        if not private:  # mkstemp's 0600 would make the export private to this user
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
         self.rows: list[dict[str, Any]] | None = None
         self.stack = contextlib.ExitStack()
         if compression_of(path) == "parquet":
@@ -164,23 +167,33 @@ def export(r: redis.Redis | None, store: Store, keys: Keys, out: Path, *, wait: 
         if not wait or pending == 0 or (deadline is not None and time.monotonic() >= deadline):
             break
         time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+    return write_export(store, out, errors=errors)
 
+
+def write_export(store: Store, out: Path, *, errors: Path | None = None, span: Span | None = None,
+                 rewrite: Callable[[bytes], bytes] | None = None, private: bool = False) -> ExportSummary:
+    """Write the store's result lines (only those of `span`, when given) to `out`, the failed ones to
+    `errors` when given, each line through `rewrite` when given; `private`: the files are 0600.
+    Counts and lines come from one read snapshot."""
     targets: list[_Target] = []
     try:
-        main = _Target(out)
+        main = _Target(out, private=private)
         targets.append(main)
         failed = main
         if errors is not None:
-            failed = _Target(errors)
+            failed = _Target(errors, private=private)
             targets.append(failed)
         with store.read():
             # one read snapshot: the counts and the lines agree even while a collector writes
-            counts = store.counts()
+            counts = store.counts() if span is None else store.counts_in(span)
             summary = ExportSummary(path=out, succeeded=counts["succeeded"], failed=counts["failed"],
                                     cancelled=counts["cancelled"],
                                     pending=counts["pending"], rejected=store.rejected_results(),
-                                    first_pending=store.pending_examples(SHOW_PENDING), errors_path=errors)
-            for ok, line in store.result_rows():
+                                    first_pending=store.pending_examples(SHOW_PENDING) if span is None else [],
+                                    errors_path=errors)
+            for ok, line in store.result_rows(span):
+                if rewrite is not None:
+                    line = rewrite(line)
                 if errors is not None and not ok:
                     failed.write(line)
                     summary.errors_written += 1

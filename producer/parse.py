@@ -80,9 +80,11 @@ def _fill(body: dict[str, Any], sampling: dict[str, Any], defaults: dict[str, An
     body.setdefault("model", model)
 
 
-def parse_line(raw: bytes | str, defaults: dict[str, Any], model: str) -> tuple[str, str, dict[str, Any]]:
+def parse_line(raw: bytes | str, defaults: dict[str, Any], model: str, *,
+               batch_only: bool = False) -> tuple[str, str, dict[str, Any]]:
     """Parse one line into (custom_id, url, body). `defaults` are already-checked sampling values.
-    The body returned passes `batchfleet.prompts.check_body`, the check every worker applies."""
+    The body returned passes `batchfleet.prompts.check_body`, the check every worker applies.
+    `batch_only`: the simple form is refused (the OpenAI Batch API's input takes the batch form only)."""
     try:
         d = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -91,6 +93,8 @@ def parse_line(raw: bytes | str, defaults: dict[str, Any], model: str) -> tuple[
         raise Reject(f"not a JSON object (a {type(d).__name__})")
     if "body" in d or "url" in d or "method" in d:
         cid, url, body = _parse_batch(d, defaults, model)
+    elif batch_only:
+        raise Reject("not a batch request: a line holds custom_id, method, url and body")
     else:
         cid, url, body = _parse_simple(d, defaults, model)
     check_body(url, body, size_bytes=len(raw))

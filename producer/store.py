@@ -21,7 +21,12 @@
 
 Partial indexes keep the two hot questions cheap however large the run: "which waiting prompts go next"
 (`prompts_waiting`, longest expected work first, then input order) and "which prompts are in Redis"
-(`prompts_fed`).
+(`prompts_fed`). A store whose meta says `feed_order = input` (`order_feed_by_input`: the one store of
+`batchfleet serve`, where each batch is one input) feeds an older input's prompts before a newer one's,
+longest first within each (`prompts_waiting_input`).
+
+A `Span` is the prompts one transaction enqueued, by seq (a `batchfleet serve` batch): counts, the
+export and cancel can be asked for one span rather than the whole run.
 
 Writers (enqueue, feed, collect, recover) hold SQLite's single writer lock for a whole transaction
 (`Store.write()`, BEGIN IMMEDIATE): "is there a result for this prompt?" is serialised against
@@ -48,12 +53,14 @@ import orjson
 from batchfleet.records import ENDPOINTS, Result
 from batchfleet.redact import private_dir
 
-__all__ = ["UNBOUNDED_COST", "FileFingerprint", "Input", "Known", "MissingStore", "State", "Store", "StoreError",
-           "canonical", "fingerprint"]
+__all__ = ["UNBOUNDED_COST", "FileFingerprint", "Input", "Known", "MissingStore", "Span", "State", "Store",
+           "StoreError", "canonical", "fingerprint"]
 
 SCHEMA_VERSION = "3"  # 3: request fingerprints, reruns, input files' paths and fingerprints
 UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so it goes first
 _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
+FEED_ORDER = "feed_order"  # meta key: "input" feeds older inputs first (see `order_feed_by_input`)
+_WAITING_BY_INPUT = "CREATE INDEX IF NOT EXISTS prompts_waiting_input ON prompts(file, cost DESC, seq) WHERE state = 0"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
@@ -136,6 +143,22 @@ class Known(NamedTuple):
     line: int
     state: int
     fp: bytes  # its request's fingerprint (computed from ep and body where the row has none)
+
+
+class Span(NamedTuple):
+    """The prompts with lo <= seq <= hi: what one transaction enqueued (a `batchfleet serve` batch)."""
+
+    lo: int
+    hi: int
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo + 1
+
+
+def _within(span: Span | None, column: str = "seq") -> tuple[str, tuple[int, ...]]:
+    """The SQL condition (with its leading AND) and parameters that keep a query to `span`."""
+    return ("", ()) if span is None else (f" AND {column} BETWEEN ? AND ?", (span.lo, span.hi))
 
 
 class Input(NamedTuple):
@@ -402,11 +425,19 @@ class Store:
         return [Input(*row) for row in rows]
 
     # --- feed (inside write()) ----------------------------------------------------------------------
+    def order_feed_by_input(self) -> None:
+        """From now on feed an older input's prompts before a newer one's (inside write()). What
+        `batchfleet serve` asks of its store: its batches share the fleet in creation order."""
+        self.db.execute(_WAITING_BY_INPUT)
+        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, 'input')", (FEED_ORDER,))
+
     def next_to_feed(self, limit: int) -> list[tuple[int, str, str, bytes, str]]:
-        """(seq, cid, url, body, fp) of up to `limit` WAITING prompts: longest expected work first. `fp`
-        is the fingerprint in hex ("" for a row made before fingerprints)."""
+        """(seq, cid, url, body, fp) of up to `limit` WAITING prompts: longest expected work first (in a
+        store ordered by input: the oldest input's first, longest first within it). `fp` is the
+        fingerprint in hex ("" for a row made before fingerprints)."""
+        order = "file, cost DESC, seq" if self.get_meta(FEED_ORDER) == "input" else "cost DESC, seq"
         rows = self.db.execute(
-            "SELECT seq, cid, ep, body, fp FROM prompts WHERE state = 0 ORDER BY cost DESC, seq LIMIT ?", (limit,))
+            f"SELECT seq, cid, ep, body, fp FROM prompts WHERE state = 0 ORDER BY {order} LIMIT ?", (limit,))
         return [(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "") for seq, cid, ep, body, fp in rows]
 
     def set_state(self, seqs: Sequence[int], old: State, new: State) -> int:
@@ -416,6 +447,11 @@ class Store:
         self._tally(old.tally, -n)
         self._tally(new.tally, n)
         return n
+
+    def fed_cids(self, span: Span | None = None) -> list[str]:
+        """custom_ids of the FED prompts (of `span`), in seq order."""
+        cond, args = _within(span)
+        return [c for (c,) in self.db.execute(f"SELECT cid FROM prompts WHERE state = 1{cond} ORDER BY seq", args)]
 
     def fed(self, *, after: int = 0, limit: int = 5000) -> list[tuple[int, str]]:
         """(seq, cid) of FED prompts with seq > `after`, in seq order (page through them)."""
@@ -473,6 +509,25 @@ class Store:
         return {"prompts": prompts, "succeeded": t["ok"], "failed": t["done"] - t["ok"],
                 "pending": t["waiting"] + t["fed"], "waiting": t["waiting"], "fed": t["fed"], "cancelled": cancelled}
 
+    def counts_in(self, span: Span) -> dict[str, int]:
+        """`counts()` of the prompts of one span, counted from the rows (two range scans by seq: what
+        a span holds, not the whole store)."""
+        by_state = dict(self.db.execute("SELECT state, COUNT(*) FROM prompts WHERE seq BETWEEN ? AND ? GROUP BY state",
+                                        span).fetchall())
+        ok = self.db.execute("SELECT COUNT(*) FROM results WHERE seq BETWEEN ? AND ? AND ok = 1", span).fetchone()[0]
+        waiting, fed = by_state.get(State.WAITING, 0), by_state.get(State.FED, 0)
+        done, cancelled = by_state.get(State.DONE, 0), by_state.get(State.CANCELLED, 0)
+        return {"prompts": waiting + fed + done + cancelled, "succeeded": ok, "failed": done - ok,
+                "pending": waiting + fed, "waiting": waiting, "fed": fed, "cancelled": cancelled}
+
+    def span_of(self, prefix: str) -> tuple[Span | None, int]:
+        """The span of the prompts whose custom_id starts with `prefix` (a range of the custom_id index)
+        and how many they are (None, 0: none); they are contiguous when the count is the span's size."""
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        lo, hi, n = self.db.execute("SELECT MIN(seq), MAX(seq), COUNT(*) FROM prompts WHERE cid >= ? AND cid < ?",
+                                    (prefix, end)).fetchone()
+        return (None, 0) if not n else (Span(lo, hi), n)
+
     def recount(self) -> dict[str, int]:
         """The tally recomputed from the rows (slow on a big store): what `counts` must equal."""
         by_state = dict(self.db.execute("SELECT state, COUNT(*) FROM prompts GROUP BY state").fetchall())
@@ -492,15 +547,18 @@ class Store:
         return True
 
     # --- ends of a run (inside write()) -------------------------------------------------------------
-    def cancel(self, states: Sequence[State], line_for: Callable[[str], bytes], at: float) -> list[tuple[int, str]]:
+    def cancel(self, states: Sequence[State], line_for: Callable[[str], bytes], at: float, *,
+               span: Span | None = None) -> list[tuple[int, str]]:
         """Mark every prompt in `states` CANCELLED, each with `line_for(cid)` as its export line (a
-        result row with ok = 0), and record when the run was cancelled. Returns their (seq, cid)."""
-        if self.get_meta("cancelled_at") is None:
+        result row with ok = 0), and record when the run was cancelled. Returns their (seq, cid). With
+        `span`, only the prompts of the span, and the run is not cancelled (the head feeds the rest)."""
+        if span is None and self.get_meta("cancelled_at") is None:
             self.db.execute("INSERT INTO meta (key, value) VALUES ('cancelled_at', ?)", (repr(at),))
+        cond, args = _within(span)
         out: list[tuple[int, str]] = []
         for state in states:
-            rows = self.db.execute("SELECT seq, cid FROM prompts WHERE state = ? ORDER BY seq",
-                                   (int(state),)).fetchall()
+            rows = self.db.execute(f"SELECT seq, cid FROM prompts WHERE state = ?{cond} ORDER BY seq",
+                                   (int(state), *args)).fetchall()
             self.db.executemany("INSERT OR IGNORE INTO results (seq, ok, line, finished_at) VALUES (?, 0, ?, ?)",
                                 [(seq, line_for(cid), at) for seq, cid in rows])
             self.set_state([seq for seq, _ in rows], state, State.CANCELLED)
@@ -543,7 +601,8 @@ class Store:
         for _, line in self.result_rows():
             yield line
 
-    def result_rows(self) -> Iterator[tuple[bool, bytes]]:
-        """(ok, export line) of every stored result, in input order."""
-        for ok, line in self.db.execute("SELECT ok, line FROM results ORDER BY seq"):
+    def result_rows(self, span: Span | None = None) -> Iterator[tuple[bool, bytes]]:
+        """(ok, export line) of every stored result (of `span`), in input order."""
+        cond, args = _within(span)
+        for ok, line in self.db.execute(f"SELECT ok, line FROM results WHERE 1{cond} ORDER BY seq", args):
             yield bool(ok), line

@@ -1,0 +1,270 @@
+"""The HTTP API (aiohttp): OpenAI's Files and Batches endpoints, as the `openai` client calls them.
+
+    POST   /v1/files                   multipart: file, purpose=batch        -> FileObject
+    GET    /v1/files                   ?purpose, limit (<= 10000), order, after -> list
+    GET    /v1/files/{id}                                                   -> FileObject
+    GET    /v1/files/{id}/content                                           -> the bytes
+    DELETE /v1/files/{id}                                                   -> {id, object, deleted}
+    POST   /v1/batches                 input_file_id, endpoint, completion_window, metadata -> Batch
+    GET    /v1/batches                 ?limit (<= 100), after: newest first -> list
+    GET    /v1/batches/{id}                                                 -> Batch
+    POST   /v1/batches/{id}/cancel                                          -> Batch
+    GET    /health                     no key needed                        -> {"status": "ok"}
+
+Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 401 without a valid
+key, 404 for an object that does not exist or belongs to another key (the two are not told apart),
+400 for a bad request, 413 for an upload over the limit. A read (a poll) is answered from the
+registry's memory: no query, no store access.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .auth import ApiKeys
+from .engine import Engine, Limits
+from .objects import BATCH_PURPOSE, ENDPOINTS, WINDOWS, BatchRecord, BatchStatus, FileRecord, new_batch_id, new_file_id
+from .registry import Registry
+
+__all__ = ["MB", "make_app"]
+
+MB = 1_000_000
+CHUNK = 1 << 20
+MAX_METADATA = 16  # pairs; keys up to 64 characters, values up to 512 (OpenAI's limits)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def error(status: int, message: str, *, code: str | None = None, param: str | None = None,
+          kind: str = "invalid_request_error") -> web.Response:
+    return _json({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def _not_found(what: str, oid: str) -> web.Response:
+    return error(404, f"No such {what} object: {oid}", param="id")
+
+
+def _page(items: list[Any], after: str | None, limit: int) -> dict[str, Any]:
+    """A cursor page: the items after the one whose id is `after` (in the list's order)."""
+    if after:
+        ids = [x.id for x in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    data = [x.to_api() for x in page]
+    return {"object": "list", "data": data, "first_id": page[0].id if page else None,
+            "last_id": page[-1].id if page else None, "has_more": len(items) > limit}
+
+
+def _int(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(reason=f"{name} must be an integer") from None
+    if not lo <= value <= hi:
+        raise web.HTTPBadRequest(reason=f"{name} must be between {lo} and {hi}")
+    return value
+
+
+class Api:
+    def __init__(self, registry: Registry, engine: Engine, keys: ApiKeys, limits: Limits, *,
+                 max_upload_bytes: int) -> None:
+        self.registry = registry
+        self.engine = engine
+        self.keys = keys
+        self.limits = limits
+        self.max_upload_bytes = max_upload_bytes
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path != "/health":
+            owner = self.keys.owner(request.headers.get("Authorization"))
+            if owner is None:
+                return error(401, "Incorrect API key provided (give it as `Authorization: Bearer KEY`).",
+                             code="invalid_api_key")
+            request["owner"] = owner
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:  # the router's 404 and 405, our 400s: in OpenAI's shape
+            if exc.status < 400:
+                raise
+            return error(exc.status, exc.reason or str(exc), code=None)
+
+    # --- files --------------------------------------------------------------------------------------
+    async def create_file(self, request: web.Request) -> web.Response:
+        limit = self.max_upload_bytes
+        if request.content_length is not None and request.content_length > limit + CHUNK:
+            return self._too_big()
+        if not request.content_type.startswith("multipart/"):
+            return error(400, "upload the file as multipart/form-data with the fields `file` and `purpose`")
+        purpose: str | None = None
+        rec: FileRecord | None = None
+        fid = new_file_id()
+        tmp = self.registry.temp_path(fid)
+        try:
+            async for part in await request.multipart():
+                if part.name == "purpose":
+                    purpose = (await part.read_chunk(1024)).decode(errors="replace").strip()  # type: ignore[union-attr]
+                elif part.name == "file" and rec is None:
+                    size = 0
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                    try:
+                        while chunk := await part.read_chunk(CHUNK):  # type: ignore[union-attr]
+                            size += len(chunk)
+                            if size > limit:
+                                return self._too_big()
+                            os.write(fd, chunk)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    rec = FileRecord(id=fid, owner=request["owner"], filename=part.filename or "upload.jsonl",
+                                     bytes=size, purpose="", created_at=int(time.time()))
+            if rec is None:
+                return error(400, "the upload has no `file` field", param="file")
+            if purpose != BATCH_PURPOSE:
+                return error(400, f"purpose {purpose!r}: batchfleet serve keeps files for the Batch API only "
+                                  "(purpose=batch)", param="purpose")
+            rec = replace(rec, purpose=purpose)
+            os.replace(tmp, self.registry.file_path(fid))
+            self.registry.add_file(rec)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return _json(rec.to_api())
+
+    def _too_big(self) -> web.Response:
+        return error(413, f"the file is larger than the upload limit of {self.max_upload_bytes:,} bytes "
+                          "(batchfleet serve --max-upload-mb)", code="file_too_large", param="file")
+
+    async def list_files(self, request: web.Request) -> web.Response:
+        order = request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise web.HTTPBadRequest(reason="order must be asc or desc")
+        files = self.registry.list_files(request["owner"], purpose=request.query.get("purpose"), order=order)
+        return _json(_page(files, request.query.get("after"), _int(request, "limit", 10_000, 1, 10_000)))
+
+    async def get_file(self, request: web.Request) -> web.Response:
+        fid = request.match_info["file_id"]
+        rec = self.registry.file(fid, request["owner"])
+        return _not_found("File", fid) if rec is None else _json(rec.to_api())
+
+    async def file_content(self, request: web.Request) -> web.StreamResponse:
+        fid = request.match_info["file_id"]
+        if self.registry.file(fid, request["owner"]) is None:
+            return _not_found("File", fid)
+        return web.FileResponse(self.registry.file_path(fid), headers={"Content-Type": "application/octet-stream"})
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        fid = request.match_info["file_id"]
+        if self.registry.file(fid, request["owner"]) is None:
+            return _not_found("File", fid)
+        self.registry.delete_file(fid)
+        return _json({"id": fid, "object": "file", "deleted": True})
+
+    # --- batches ------------------------------------------------------------------------------------
+    async def create_batch(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return error(400, "the request body is not JSON")
+        if not isinstance(body, dict):
+            return error(400, "the request body is not a JSON object")
+        fid, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
+        if not isinstance(fid, str):
+            return error(400, "input_file_id is required", param="input_file_id", code="missing_required_parameter")
+        if endpoint not in ENDPOINTS:
+            return error(400, f"endpoint {endpoint!r}: batchfleet serve runs batches of {' and '.join(ENDPOINTS)}",
+                         param="endpoint", code="invalid_value")
+        if window not in WINDOWS:
+            return error(400, f"completion_window {window!r}: only {WINDOWS[0]!r} is supported",
+                         param="completion_window", code="invalid_value")
+        metadata = body.get("metadata")
+        problem = _metadata_problem(metadata)
+        if problem:
+            return error(400, problem, param="metadata", code="invalid_value")
+        f = self.registry.file(fid, request["owner"])
+        if f is None:
+            return error(400, f"No such File object: {fid}", param="input_file_id", code="invalid_value")
+        if f.purpose != BATCH_PURPOSE:
+            return error(400, f"file {fid} has purpose {f.purpose!r}, not 'batch'", param="input_file_id",
+                         code="invalid_value")
+        now = int(time.time())
+        rec = BatchRecord(id=new_batch_id(), owner=request["owner"], input_file_id=fid, endpoint=endpoint,
+                          completion_window=window, created_at=now, expires_at=now + int(self.limits.window_s),
+                          metadata=metadata or None)
+        self.registry.put_batch(rec)
+        self.engine.wake()
+        return _json(rec.to_api())
+
+    async def list_batches(self, request: web.Request) -> web.Response:
+        batches = self.registry.list_batches(request["owner"])
+        return _json(_page(batches, request.query.get("after"), _int(request, "limit", 20, 1, 100)))
+
+    async def get_batch(self, request: web.Request) -> web.Response:
+        bid = request.match_info["batch_id"]
+        rec = self.registry.batch(bid, request["owner"])
+        return _not_found("Batch", bid) if rec is None else _json(rec.to_api())
+
+    async def cancel_batch(self, request: web.Request) -> web.Response:
+        bid = request.match_info["batch_id"]
+        if self.registry.batch(bid, request["owner"]) is None:
+            return _not_found("Batch", bid)
+        now = int(time.time())
+
+        def cancelling(cur: BatchRecord) -> BatchRecord | None:
+            if cur.final or cur.status is BatchStatus.CANCELLING:
+                return None
+            return replace(cur, status=BatchStatus.CANCELLING, cancelling_at=now)
+
+        rec = self.registry.update(bid, cancelling)
+        if rec.final and rec.status is not BatchStatus.CANCELLED:
+            return error(400, f"Cannot cancel a batch with status {rec.status!s}.", param="id")
+        self.engine.wake()
+        return _json(rec.to_api())
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+
+def _metadata_problem(metadata: object) -> str | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        return "metadata must be an object of strings"
+    if len(metadata) > MAX_METADATA:
+        return f"metadata holds {len(metadata)} pairs: at most {MAX_METADATA}"
+    for k, v in metadata.items():
+        if not isinstance(v, str) or len(k) > 64 or len(v) > 512:
+            return f"metadata {k[:64]!r}: keys are strings of up to 64 characters, values strings of up to 512"
+    return None
+
+
+def make_app(registry: Registry, engine: Engine, keys: ApiKeys, limits: Limits, *,
+             max_upload_bytes: int) -> web.Application:
+    api = Api(registry, engine, keys, limits, max_upload_bytes=max_upload_bytes)
+    app = web.Application(middlewares=[api.guard], client_max_size=CHUNK)
+    app.add_routes([
+        web.post("/v1/files", api.create_file),
+        web.get("/v1/files", api.list_files),
+        web.get("/v1/files/{file_id}", api.get_file),
+        web.get("/v1/files/{file_id}/content", api.file_content),
+        web.delete("/v1/files/{file_id}", api.delete_file),
+        web.post("/v1/batches", api.create_batch),
+        web.get("/v1/batches", api.list_batches),
+        web.get("/v1/batches/{batch_id}", api.get_batch),
+        web.post("/v1/batches/{batch_id}/cancel", api.cancel_batch),
+        web.get("/health", api.health),
+    ])
+    return app

@@ -1,0 +1,122 @@
+"""`serve_api`: the run's store made ready for batches, the batch engine's thread, the HTTP API, until
+SIGINT/SIGTERM.
+
+The API owns ONE run of the fleet (`--run`, default `serve`): every batch's prompts go into that run's
+store as one input each, under `<batch id>:<custom_id>`. Workers, the head and the supervisor serve
+that run exactly as they serve any other (its keys `bf:<run>:...`, its queues `<run>.gpuN` or those
+given), so nothing of them knows about batches. The store is told to feed an older batch's prompts
+before a newer one's (`Store.order_feed_by_input`): batches share the fleet in creation order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from aiohttp import web
+
+from batchfleet.config import Config
+from producer.api import repair_if_lost
+from producer.locate import Mode, ensure_marker, locate
+
+from .app import MB, make_app
+from .auth import ApiKeys
+from .engine import Engine, Limits
+from .registry import Registry
+
+__all__ = ["ServeError", "ServeOptions", "prepare_store", "serve_api"]
+
+log = logging.getLogger("batchfleet.serve")
+
+
+class ServeError(Exception):
+    """The API cannot start (its port is in use, its address cannot be bound): exit 2 with the message."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_upload_bytes: int = 200 * MB  # OpenAI's
+    max_requests: int = 50_000  # per batch, OpenAI's
+    window_s: float = 24 * 3600.0  # how long the `24h` completion window lasts
+    model: str = "default"  # body.model of a request without one
+    queues: tuple[str, ...] = ()  # queues the head feeds besides those live workers serve
+
+
+def prepare_store(config: Config, r: redis.Redis, queues: tuple[str, ...]) -> Path:
+    """The run's store, created when new (and repaired when Redis lost the run's data), ordered by
+    input, with its run marker written. Returns its path."""
+    loc = locate(config, r, explicit=True, mode=Mode.CREATE)
+    try:
+        repair_if_lost(config, r, loc)
+        with loc.store.write():
+            loc.store.order_feed_by_input()
+        ensure_marker(r, config, loc.store, queues=queues)
+        return loc.store.path
+    finally:
+        loc.store.close()
+
+
+def serve_api(config: Config, r: redis.Redis, keys: ApiKeys, options: ServeOptions, *,
+              tick: Callable[[], bool] | None = None, on_ready: Callable[[str], None] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (or until `tick`, called every second, returns False). Returns 0."""
+    store_path = prepare_store(config, r, options.queues)
+    registry = Registry(config.state_dir, config.run)
+    limits = Limits(max_requests=options.max_requests, window_s=options.window_s, model=options.model)
+    engine = Engine(config, registry, store_path, r, limits, queues=options.queues)
+    engine.start()
+    engine.ready.wait(60)
+    try:
+        app = make_app(registry, engine, keys, limits, max_upload_bytes=options.max_upload_bytes)
+        _run_loop(_serve(app, options, tick, on_ready))
+    finally:
+        engine.stop()
+        registry.close()
+    return 0
+
+
+def _run_loop(main: object) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - a core dependency where it builds
+        asyncio.run(main)  # type: ignore[arg-type]
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)  # type: ignore[arg-type]
+
+
+async def _serve(app: web.Application, options: ServeOptions, tick: Callable[[], bool] | None,
+                 on_ready: Callable[[str], None] | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, options.host, options.port, backlog=512)
+        try:
+            await site.start()
+        except OSError as exc:
+            why = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+            raise ServeError(f"cannot serve on {options.host}:{options.port}: {why}") from None
+        if on_ready is not None:
+            on_ready(f"http://{options.host}:{options.port}/v1")
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await stop.wait()
+            if tick is not None and not stop.is_set() and not tick():
+                break
+    finally:
+        await runner.cleanup()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,213 @@
+"""`batchfleet serve [--host 127.0.0.1] [--port 8000] [--gpus 0-7 [--tp N]]`: the OpenAI Batch API on
+this fleet (batchapi/, docs/api.md).
+
+    1. Redis: the one at --redis-url / BATCHFLEET_REDIS_URL / REDIS_URL when it answers, else a private
+       redis-server with an append-only file in the state dir (as `batchfleet run`).
+    2. The run's store (run `serve` unless --run / BATCHFLEET_RUN names another), ready for batches.
+    3. With --gpus: this host's workers, the head and the autopilot, started as `batchfleet run` starts
+       them (fleetrun.launch). Without: the head only; workers started elsewhere with
+       BATCHFLEET_RUN=<run> serve it (the multi-host recipe).
+    4. The API until SIGINT/SIGTERM, one line per supervisor decision or server restart; a head that
+       exits is started again. Then the workers drain (they hand back what they hold) and stop.
+
+Exit status: 0 stopped by SIGINT/SIGTERM; 2 usage, configuration, Redis or store error, a port in
+use, an open API on a non-loopback address; 130 interrupted while starting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from batchfleet.config import Config
+from batchfleet.connection import connect
+from batchfleet.errors import ConfigError
+from batchfleet.keys import Keys
+from batchfleet.redact import Scrubber, install_log_scrubbing, private_dir
+from producer.store import StoreError
+
+from .launch import (
+    Events,
+    Procs,
+    UsageError,
+    event_line,
+    fleet_redis,
+    gpu_groups,
+    parse_gpus,
+    queues_of,
+    start_fleet,
+    start_head,
+)
+from .redisproc import PrivateRedisError
+
+__all__ = ["add_parser", "main"]
+
+EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+DEFAULT_RUN = "serve"
+RESTART_AFTER_S = 5.0  # a head that exited is started again after this
+
+
+def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
+    s = sub.add_parser("serve", help="the OpenAI Batch API (Files and Batches) on this fleet (docs/api.md)",
+                       description=__doc__.split("\n\n")[0], parents=[parent],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (another than loopback needs API keys)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--gpus", metavar="GPUS", help="also run this host's workers on these GPUs, e.g. 0-7 or 0,2,5, "
+                   "with the head and the autopilot (default: none here: workers elsewhere serve the run)")
+    s.add_argument("--tp", type=int, default=1, metavar="N", help="GPUs per server (tensor parallel)")
+    s.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="the run's store, the API's files and records, logs (default: BATCHFLEET_STATE_DIR, else "
+                        ".batchfleet)")
+    s.add_argument("--api-keys-file", type=Path, metavar="FILE",
+                   help="bearer API keys, one a line, mode 0600 (also: BATCHFLEET_API_KEYS, comma-separated)")
+    s.add_argument("--model", metavar="NAME",
+                   help="body.model of a request without one (default: BATCHFLEET_MODEL_PATH, else 'default')")
+    s.add_argument("--max-upload-mb", type=float, default=200.0, metavar="MB", help="largest file upload, in MB")
+    s.add_argument("--max-requests", type=int, default=50_000, metavar="N", help="most requests in one batch")
+    s.add_argument("--completion-window-s", type=float, default=24 * 3600.0, metavar="S",
+                   help="how long a batch's `24h` window lasts: past it the batch expires")
+    s.add_argument("--dry-run", action="store_true", help="with --gpus: the supervisor only advises")
+    s.add_argument("--no-supervisor", action="store_true", help="with --gpus: do not start `supervisor watch`")
+
+
+def _say(text: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} serve: {text}", file=sys.stderr, flush=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`batchfleet serve`: exit status as the module doc says; one line on stderr for every mistake."""
+    def interrupt(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)  # while starting, SIGTERM is a Ctrl-C: cleanup runs
+    try:
+        return _serve(args)
+    except (UsageError, ConfigError, StoreError, PrivateRedisError) as exc:
+        print(f"batchfleet: {exc}", file=sys.stderr)
+    except redis.RedisError as exc:
+        print(f"batchfleet: Redis failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except sqlite3.Error as exc:
+        print(f"batchfleet: store: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("batchfleet: interrupted while starting", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return EXIT_ERROR
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from batchapi import ApiKeys, AuthError, ServeError, ServeOptions, check_exposure, prepare_store, serve_api
+
+    run = args.run or os.environ.get("BATCHFLEET_RUN") or DEFAULT_RUN
+    config = Config.from_env(run=run, redis_url=args.redis_url, state_dir=args.state_dir)
+    config = config.with_(state_dir=config.state_dir.absolute())
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port}: not a port")
+    if args.max_upload_mb <= 0 or args.max_requests < 1 or args.completion_window_s <= 0:
+        raise UsageError("--max-upload-mb, --max-requests and --completion-window-s must be positive")
+    try:
+        keys = ApiKeys.from_config(config, args.api_keys_file)
+        check_exposure(args.host, keys)
+    except AuthError as exc:
+        raise UsageError(str(exc)) from None
+    if args.gpus is None and args.tp != 1:
+        raise UsageError("--tp goes with --gpus (the GPUs whose servers it groups)")
+    groups = gpu_groups(parse_gpus(args.gpus), args.tp) if args.gpus else []
+    if groups and not config.model_path:
+        raise UsageError("BATCHFLEET_MODEL_PATH is not set: the model every GPU's server loads")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s serve: %(message)s", datefmt="%H:%M:%S")
+    install_log_scrubbing(Scrubber.for_config(config))
+    queues = queues_of(run, groups) if groups else config.queues
+    options = ServeOptions(host=args.host, port=args.port, max_upload_bytes=int(args.max_upload_mb * 1_000_000),
+                           max_requests=args.max_requests, window_s=args.completion_window_s,
+                           model=args.model or config.model_path or "default", queues=queues)
+    given = args.redis_url or os.environ.get("BATCHFLEET_REDIS_URL") or os.environ.get("REDIS_URL")
+    with fleet_redis(config, given, _say) as url:
+        config = config.with_(redis_url=url)
+        r = connect(url)
+        r.ping()
+        prepare_store(config, r, queues)
+        logs = private_dir(config.state_dir / "logs")
+        procs = Procs(logs)
+        watch = _Watch(procs, r, Keys(run), config, groups)
+        try:
+            started = start_fleet(procs, config, groups, supervisor=bool(groups) and not args.no_supervisor,
+                                  dry_run=args.dry_run)
+            _say(f"run {run}: {started}; logs in {logs}"
+                 + ("" if groups else f"; workers elsewhere serve it: BATCHFLEET_RUN={run} rq worker <host>.gpuN"))
+            auth = f"{len(keys)} API key(s)" if keys.enabled else "no API key (loopback only)"
+            serve_api(config, r, keys, options, tick=watch.tick,
+                      on_ready=lambda where: _say(f"the OpenAI Batch API at {where} ({auth}); Ctrl-C stops"))
+        except ServeError as exc:
+            raise UsageError(str(exc)) from None
+        finally:
+            _stop(procs, config)
+    return EXIT_OK
+
+
+def _stop(procs: Procs, config: Config) -> None:
+    force = [False]
+
+    def again(_sig: int, _frame: object) -> None:
+        force[0] = True
+
+    old = {sig: signal.signal(sig, again) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if procs.all():
+            _say("stopping: the workers hand back what they hold (Ctrl-C again to kill at once)")
+        codes = procs.stop(config.shutdown_grace_s + 30, force)
+        bad = {n: c for n, c in codes.items() if c not in (0, -signal.SIGTERM)}
+        if bad:
+            _say("exit codes: " + ", ".join(f"{n} {c}" for n, c in bad.items()) + f" (logs in {procs.logs})")
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+class _Watch:
+    """Called every second while the API serves: the run's events, and the fleet's processes."""
+
+    def __init__(self, procs: Procs, r: redis.Redis, keys: Keys, config: Config, groups: list[tuple[int, ...]]) -> None:
+        self.procs = procs
+        self.events = Events(r, keys)
+        self.config = config
+        self.groups = groups
+        self.said: set[str] = set()
+        self.head_down_at: float | None = None
+
+    def tick(self) -> bool:
+        try:
+            for e in self.events.new():
+                _say(event_line(e))
+        except redis.RedisError as exc:
+            self._once(f"Redis: {type(exc).__name__}: {exc}")
+        for g, w in self.procs.workers.items():
+            if w.poll() is not None:
+                self._once(f"worker-gpu{g} exited {w.returncode}:\n{self.procs.tail(f'worker-gpu{g}')}")
+        head = self.procs.others.get("head")
+        if head is not None and head.poll() is not None:
+            now = time.monotonic()
+            if self.head_down_at is None:
+                self.head_down_at = now
+                _say(f"the head exited {head.returncode}; starting it again in {RESTART_AFTER_S:g} s:\n"
+                     f"{self.procs.tail('head')}")
+            elif now - self.head_down_at >= RESTART_AFTER_S:
+                self.head_down_at = None
+                start_head(self.procs, self.config)
+        return True
+
+    def _once(self, text: str) -> None:
+        if text not in self.said:
+            self.said.add(text)
+            _say(text)
+

@@ -83,13 +83,16 @@ def roles(run: str = "*") -> dict[str, Role]:
     rq_jobs = tuple(p + "*" for p in (rqlayout.QUEUE_PREFIX, rqlayout.JOB_PREFIX, rqlayout.STARTED_PREFIX,
                                       rqlayout.FAILED_PREFIX))
     everything_of_run = (k.prefix + "*", rqlayout.NAMESPACE + "*")
-    # `producer cancel` takes jobs out of the strike lists and leases too, and flags the cancel
+    # `producer cancel` takes jobs out of the strike lists and leases too, flags the cancel, and tells the
+    # workers which prompts to drop (`drop`, announced on `signals`)
     feeder = Role("producer", write=(*rq_jobs, rqlayout.QUEUES, rqlayout.RESULTS_PREFIX + "*", k.meta, k.stats, k.done,
-                                     k.results, k.cancel, k.refeed, k.leases, k.strikes, k.suspects, k.isolate),
-                  read=everything_of_run, channels=(), commands=_DATA, lifetime=(k.prefix + "*",))
+                                     k.results, k.cancel, k.refeed, k.leases, k.strikes, k.suspects, k.isolate,
+                                     k.drop),
+                  read=everything_of_run, channels=(k.signals,), commands=(*_DATA, "+publish"),
+                  lifetime=(k.prefix + "*",))
     return {
         "producer": feeder,
-        "head": Role("head", write=feeder.write, read=feeder.read, channels=(), commands=_DATA,
+        "head": Role("head", write=feeder.write, read=feeder.read, channels=feeder.channels, commands=feeder.commands,
                      lifetime=feeder.lifetime),
         "worker": Role(
             "worker",
@@ -97,8 +100,8 @@ def roles(run: str = "*") -> dict[str, Role]:
                    rqlayout.CLEAN_LOCK_PREFIX + "*", k.leases, k.done, k.results, k.stats, k.strikes, k.suspects,
                    k.isolate, k.workers, k.status("*"), k.events, k.refeed,
                    k.cancel),  # cancel: its acknowledgement field
-            read=(k.control, k.meta, rqlayout.QUEUES, rqlayout.SUSPENDED),
-            channels=(rqlayout.PUBSUB_PREFIX + "*",),
+            read=(k.control, k.meta, k.drop, rqlayout.QUEUES, rqlayout.SUSPENDED),
+            channels=(rqlayout.PUBSUB_PREFIX + "*", k.signals),
             commands=(*_DATA, "+subscribe", "+unsubscribe")),
         "supervisor": Role("supervisor", write=(k.control, k.history, k.autopilot, k.events, k.workers),
                            read=everything_of_run, channels=(), commands=_DATA),

@@ -94,8 +94,13 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def _run(self) -> None:
+    def open(self) -> None:
+        """Open the store, in the thread that runs the passes (the thread does it itself)."""
         self.store = Store.open(self.store_path, run=self.config.run)
+
+    def _run(self) -> None:
+        self.open()
+        assert self.store is not None
         self.ready.set()
         try:
             while not self._stop.is_set():

@@ -114,10 +114,8 @@ def _read(store: Store, out: Validated, prefix: str, endpoint: str, path: Path, 
                 return
             if out.model is None:
                 out.model = body.get("model") if isinstance(body.get("model"), str) else None
-            if out.errors:
-                if len(out.errors) >= MAX_ERRORS:
-                    return
-                continue  # the batch fails: the rest is only checked
+            if len(out.errors) >= MAX_ERRORS:
+                return  # the batch fails; enough said
             canon = canonical(body)
             fp = fingerprint(url, canon, is_canonical=True)
             rows.append((prefix + cid, ep, canon, out.input_id, lineno, cost_of(body), fp))
@@ -132,10 +130,9 @@ def _read(store: Store, out: Validated, prefix: str, endpoint: str, path: Path, 
 def _insert(store: Store, out: Validated, rows: list[tuple[str, int, bytes, int, int, int, bytes]],
             prefix: str) -> None:
     """Store these rows; a custom_id already stored (an earlier line of this batch) is an error."""
-    if not rows or out.errors:
-        rows.clear()
+    if not rows:
         return
-    n = store.insert_prompts(rows)
+    n = store.insert_prompts(rows)  # also once the batch has failed (rolled back at the end): repeats show
     if n < len(rows):
         known = store.known([r[0] for r in rows])
         for cid, _, _, _, line, _, _ in rows:

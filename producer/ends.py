@@ -10,11 +10,11 @@ again after a crash):
      stops claiming, cancels its in-flight requests (their HTTP connections close: the server aborts
      them), releases their leases without putting them back, publishes nothing for them, and
      acknowledges (`ack:<worker>` = prompts it dropped);
-  3. the job ids of the FED prompts go into `Keys.drop` and `{"drop": n}` is published on
-     `Keys.signals` (`announce_drop`): a worker drops those of them it runs at once (see keys.py);
-  4. `scripts.CANCEL` removes each fed prompt's job atomically: queued (its queue, `suspects`, `isolate`),
+  3. `scripts.CANCEL` removes each fed prompt's job atomically: queued (its queue, `suspects`, `isolate`),
      started (its leases and started-registry entries: a late finish of it is refused as stale) or
      failed without a result; a job whose result is in the stream is left to be collected;
+  4. the job ids of those that were in flight go into `Keys.drop` and `{"drop": n}` is published on
+     `Keys.signals` (`announce_drop`): the workers running them drop them at once (see keys.py);
   5. results already in the stream are collected (they stay, and export as they are);
   6. the store marks the FED prompts (of the span) still without a result CANCELLED, and their jobs
      are removed once more (a head in the middle of a feed pass when the flag went up);
@@ -101,7 +101,10 @@ class CancelSummary:
     dropped: int = 0  # in-flight prompts the workers said they dropped
 
 
-def _remove_jobs(r: redis.Redis, keys: Keys, cids: Iterable[str], into: dict[str, int]) -> None:
+def _remove_jobs(r: redis.Redis, keys: Keys, cids: Iterable[str], into: dict[str, int],
+                 started: list[str] | None = None) -> None:
+    """Remove these prompts' jobs (`scripts.CANCEL`), counting them by where they were into `into`; the
+    job ids of those in flight (started) go to `started`."""
     names = {"q": "queued", "s": "in_flight", "f": "failed", "d": "done", "m": "missing"}
     batch: list[str] = []
 
@@ -109,8 +112,10 @@ def _remove_jobs(r: redis.Redis, keys: Keys, cids: Iterable[str], into: dict[str
         codes = CANCEL.call(r, keys={"done": keys.done, "strikes": keys.strikes, "suspects": keys.suspects,
                                      "isolate": keys.isolate, "leases": keys.leases,
                                      "jobs": [k for j in batch for k in (Keys.job(j), Keys.rq_results(j))]})
-        for c in codes.decode():
+        for jid, c in zip(batch, codes.decode(), strict=True):
             into[names[c]] = into.get(names[c], 0) + 1
+            if c == "s" and started is not None:
+                started.append(jid)
         batch.clear()
 
     for cid in cids:
@@ -145,15 +150,18 @@ def cancel_prompts(r: redis.Redis, store: Store, keys: Keys, line_for: Callable[
         r.hset(keys.cancel, "at", repr(at))
     with store.read():
         fed = store.fed_cids(span)
-    announce_drop(r, keys, [job_id_for(keys.run, cid) for cid in fed])
     removed: dict[str, int] = {}
-    _remove_jobs(r, keys, [*(cid for _, cid in first), *fed], removed)
+    in_flight: list[str] = []
+    _remove_jobs(r, keys, [*(cid for _, cid in first), *fed], removed, in_flight)
+    announce_drop(r, keys, in_flight)
 
     got = collect_once(r, store, keys)
     out.collected = got.stored
     with store.write():
         rest = store.cancel([State.FED, State.WAITING], line_for, at, span=span)
-    _remove_jobs(r, keys, (cid for _, cid in rest), {})
+    in_flight = []
+    _remove_jobs(r, keys, (cid for _, cid in rest), {}, in_flight)
+    announce_drop(r, keys, in_flight)
     out.cancelled = len(first) + len(rest)
     out.removed = {k: removed[k] for k in ("queued", "in_flight", "failed") if removed.get(k)}
     return out

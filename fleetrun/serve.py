@@ -17,9 +17,11 @@ use, an open API on a non-loopback address; 130 interrupted while starting.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
+import socket
 import sqlite3
 import sys
 import time
@@ -131,6 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, max_upload_bytes=int(args.max_upload_mb * 1_000_000),
                            max_requests=args.max_requests, window_s=args.completion_window_s,
                            model=args.model or config.model_path or "default", queues=queues)
+    _check_port(args.host, args.port)  # before anything starts
     given = args.redis_url or os.environ.get("BATCHFLEET_REDIS_URL") or os.environ.get("REDIS_URL")
     with fleet_redis(config, given, _say) as url:
         config = config.with_(redis_url=url)
@@ -153,6 +156,22 @@ def _serve(args: argparse.Namespace) -> int:
         finally:
             _stop(procs, config)
     return EXIT_OK
+
+
+def _check_port(host: str, port: int) -> None:
+    """The API's address can be bound (as aiohttp binds it: SO_REUSEADDR), or a usage error now."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise UsageError(f"--host {host}: {exc.strerror or exc}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            why = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+            raise UsageError(f"cannot serve on {host}:{port}: {why}") from None
 
 
 def _stop(procs: Procs, config: Config) -> None:

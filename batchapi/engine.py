@@ -188,7 +188,7 @@ class Engine:
         span = _span(b)
         t0 = time.monotonic()
         with self.store.read():
-            counts = self.store.counts_in(span)
+            counts = self.store.counts_in(span, b.input_id or 0)
         took = time.monotonic() - t0
         self._seen_version[b.id] = version
         # at most ~2% of a core on counting however big the batch: a slow count waits longer for the next
@@ -210,7 +210,8 @@ class Engine:
     def _end(self, b: BatchRecord, final: BatchStatus) -> None:
         assert self.store is not None
         at = time.time()
-        span = _span(b) if b.lo is not None else self._stored_span(b)
+        where = (_span(b), b.input_id or 0) if b.lo is not None else self._stored_span(b)
+        span = None if where is None else where[0]
         if final is not BatchStatus.COMPLETED and span is not None:
             code = CANCELLED_CODE if final is BatchStatus.CANCELLED else EXPIRED_CODE
             message = ("This request was not executed because the batch was cancelled." if code == CANCELLED_CODE
@@ -227,9 +228,9 @@ class Engine:
         files: dict[str, Any] = {"output_file_id": None, "error_file_id": None}
         counts: dict[str, int] = {}
         usage = None
-        if span is not None:
-            files, counts = self._write_files(b, span)
-            usage = self._usage(span)
+        if where is not None:
+            files, counts = self._write_files(b, where)
+            usage = self._usage(where[0])
         stamp = int(at)
         stamps = {BatchStatus.COMPLETED: "completed_at", BatchStatus.CANCELLED: "cancelled_at",
                   BatchStatus.EXPIRED: "expired_at"}
@@ -244,19 +245,20 @@ class Engine:
         self.registry.update(b.id, ended)
         log.info("batch %s %s", b.id, final)
 
-    def _stored_span(self, b: BatchRecord) -> Span | None:
+    def _stored_span(self, b: BatchRecord) -> tuple[Span, int] | None:
         """A batch that ends before its record has a span: stored anyway (serve restarted between the
-        store's commit and the record's), or not at all."""
+        store's commit and the record's), or not at all. Its span and input id."""
         assert self.store is not None
         with self.store.read():
             span, n = self.store.span_of(b.prefix)
-        return span if n else None
+            row = self.store.db.execute("SELECT id FROM files WHERE name = ?", (b.id,)).fetchone()
+        return (span, row[0]) if n and span is not None and row is not None else None
 
-    def _write_files(self, b: BatchRecord, span: Span) -> tuple[dict[str, Any], dict[str, int]]:
+    def _write_files(self, b: BatchRecord, where: tuple[Span, int]) -> tuple[dict[str, Any], dict[str, int]]:
         assert self.store is not None
         out_id, err_id = derived_file_id(b.id, "output"), derived_file_id(b.id, "error")
         out, err = self.registry.file_path(out_id), self.registry.file_path(err_id)
-        s = write_export(self.store, out, errors=err, span=span, rewrite=_strip_prefix(b.prefix), private=True)
+        s = write_export(self.store, out, errors=err, span=where, rewrite=_strip_prefix(b.prefix), private=True)
         now = int(time.time())
         ids: dict[str, Any] = {}
         for key, fid, path, n, name in (("output_file_id", out_id, out, s.written, "output"),

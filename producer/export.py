@@ -170,11 +170,11 @@ def export(r: redis.Redis | None, store: Store, keys: Keys, out: Path, *, wait: 
     return write_export(store, out, errors=errors)
 
 
-def write_export(store: Store, out: Path, *, errors: Path | None = None, span: Span | None = None,
+def write_export(store: Store, out: Path, *, errors: Path | None = None, span: tuple[Span, int] | None = None,
                  rewrite: Callable[[bytes], bytes] | None = None, private: bool = False) -> ExportSummary:
-    """Write the store's result lines (only those of `span`, when given) to `out`, the failed ones to
-    `errors` when given, each line through `rewrite` when given; `private`: the files are 0600.
-    Counts and lines come from one read snapshot."""
+    """Write the store's result lines (only those of `span`, when given: a span and the input it holds)
+    to `out`, the failed ones to `errors` when given, each line through `rewrite` when given;
+    `private`: the files are 0600. Counts and lines come from one read snapshot."""
     targets: list[_Target] = []
     try:
         main = _Target(out, private=private)
@@ -185,13 +185,13 @@ def write_export(store: Store, out: Path, *, errors: Path | None = None, span: S
             targets.append(failed)
         with store.read():
             # one read snapshot: the counts and the lines agree even while a collector writes
-            counts = store.counts() if span is None else store.counts_in(span)
+            counts = store.counts() if span is None else store.counts_in(*span)
             summary = ExportSummary(path=out, succeeded=counts["succeeded"], failed=counts["failed"],
                                     cancelled=counts["cancelled"],
                                     pending=counts["pending"], rejected=store.rejected_results(),
                                     first_pending=store.pending_examples(SHOW_PENDING) if span is None else [],
                                     errors_path=errors)
-            for ok, line in store.result_rows(span):
+            for ok, line in store.result_rows(None if span is None else span[0]):
                 if rewrite is not None:
                     line = rewrite(line)
                 if errors is not None and not ok:

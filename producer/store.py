@@ -23,7 +23,8 @@ Partial indexes keep the two hot questions cheap however large the run: "which w
 (`prompts_waiting`, longest expected work first, then input order) and "which prompts are in Redis"
 (`prompts_fed`). A store whose meta says `feed_order = input` (`order_feed_by_input`: the one store of
 `batchfleet serve`, where each batch is one input) feeds an older input's prompts before a newer one's,
-longest first within each (`prompts_waiting_input`).
+longest first within each (`prompts_waiting_input`, in place of `prompts_waiting`), and counts a span
+(a batch) from indexes (`counts_in`; `results_failed`).
 
 A `Span` is the prompts one transaction enqueued, by seq (a `batchfleet serve` batch): counts, the
 export and cancel can be asked for one span rather than the whole run.
@@ -61,6 +62,7 @@ UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so 
 _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 FEED_ORDER = "feed_order"  # meta key: "input" feeds older inputs first (see `order_feed_by_input`)
 _WAITING_BY_INPUT = "CREATE INDEX IF NOT EXISTS prompts_waiting_input ON prompts(file, cost DESC, seq) WHERE state = 0"
+_FAILED_RESULTS = "CREATE INDEX IF NOT EXISTS results_failed ON results(seq) WHERE ok = 0"  # `counts_in` reads it
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
@@ -427,17 +429,24 @@ class Store:
     # --- feed (inside write()) ----------------------------------------------------------------------
     def order_feed_by_input(self) -> None:
         """From now on feed an older input's prompts before a newer one's (inside write()). What
-        `batchfleet serve` asks of its store: its batches share the fleet in creation order."""
+        `batchfleet serve` asks of its store: its batches share the fleet in creation order. The
+        index of the other order goes: every insert would pay for both."""
         self.db.execute(_WAITING_BY_INPUT)
+        self.db.execute(_FAILED_RESULTS)
+        self.db.execute("DROP INDEX IF EXISTS prompts_waiting")
         self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, 'input')", (FEED_ORDER,))
+
+    def _waiting_order(self) -> str:
+        """The ORDER BY of waiting prompts, as this store feeds them (each order has its index)."""
+        return "file, cost DESC, seq" if self.get_meta(FEED_ORDER) == "input" else "cost DESC, seq"
 
     def next_to_feed(self, limit: int) -> list[tuple[int, str, str, bytes, str]]:
         """(seq, cid, url, body, fp) of up to `limit` WAITING prompts: longest expected work first (in a
         store ordered by input: the oldest input's first, longest first within it). `fp` is the
         fingerprint in hex ("" for a row made before fingerprints)."""
-        order = "file, cost DESC, seq" if self.get_meta(FEED_ORDER) == "input" else "cost DESC, seq"
         rows = self.db.execute(
-            f"SELECT seq, cid, ep, body, fp FROM prompts WHERE state = 0 ORDER BY {order} LIMIT ?", (limit,))
+            f"SELECT seq, cid, ep, body, fp FROM prompts WHERE state = 0 ORDER BY {self._waiting_order()} LIMIT ?",
+            (limit,))
         return [(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "") for seq, cid, ep, body, fp in rows]
 
     def set_state(self, seqs: Sequence[int], old: State, new: State) -> int:
@@ -509,15 +518,21 @@ class Store:
         return {"prompts": prompts, "succeeded": t["ok"], "failed": t["done"] - t["ok"],
                 "pending": t["waiting"] + t["fed"], "waiting": t["waiting"], "fed": t["fed"], "cancelled": cancelled}
 
-    def counts_in(self, span: Span) -> dict[str, int]:
-        """`counts()` of the prompts of one span, counted from the rows (two range scans by seq: what
-        a span holds, not the whole store)."""
-        by_state = dict(self.db.execute("SELECT state, COUNT(*) FROM prompts WHERE seq BETWEEN ? AND ? GROUP BY state",
-                                        span).fetchall())
-        ok = self.db.execute("SELECT COUNT(*) FROM results WHERE seq BETWEEN ? AND ? AND ok = 1", span).fetchone()[0]
-        waiting, fed = by_state.get(State.WAITING, 0), by_state.get(State.FED, 0)
-        done, cancelled = by_state.get(State.DONE, 0), by_state.get(State.CANCELLED, 0)
-        return {"prompts": waiting + fed + done + cancelled, "succeeded": ok, "failed": done - ok,
+    def counts_in(self, span: Span, file_id: int) -> dict[str, int]:
+        """`counts()` of the prompts of one span, all of input `file_id`, counted from the rows. In a
+        store ordered by input each count reads an index of what it counts (waiting, fed, failed or
+        cancelled), never the span's rows: a poll of a running batch costs what is in flight and what
+        failed, not the batch's size."""
+        lo, hi = span
+        waiting = self.db.execute("SELECT COUNT(*) FROM prompts WHERE state = 0 AND file = ? AND seq BETWEEN ? AND ?",
+                                  (file_id, lo, hi)).fetchone()[0]
+        fed = self.db.execute("SELECT COUNT(*) FROM prompts WHERE state = 1 AND seq BETWEEN ? AND ?",
+                              span).fetchone()[0]
+        # results without success: failures (DONE), cancelled lines (CANCELLED), a failure fed again (refeed)
+        other = dict(self.db.execute("SELECT p.state, COUNT(*) FROM results r JOIN prompts p ON p.seq = r.seq "
+                                     "WHERE r.ok = 0 AND r.seq BETWEEN ? AND ? GROUP BY p.state", span).fetchall())
+        failed, cancelled = other.get(State.DONE, 0), other.get(State.CANCELLED, 0)
+        return {"prompts": span.size, "succeeded": span.size - waiting - fed - failed - cancelled, "failed": failed,
                 "pending": waiting + fed, "waiting": waiting, "fed": fed, "cancelled": cancelled}
 
     def span_of(self, prefix: str) -> tuple[Span | None, int]:
@@ -592,8 +607,8 @@ class Store:
     def pending_examples(self, n: int) -> list[str]:
         """Up to `n` custom_ids without a result, those fed first (input order), then waiting ones."""
         fed = self.db.execute("SELECT cid FROM prompts WHERE state = 1 ORDER BY seq LIMIT ?", (n,)).fetchall()
-        waiting = self.db.execute("SELECT cid FROM prompts WHERE state = 0 ORDER BY cost DESC, seq LIMIT ?",
-                                  (n,)).fetchall()
+        waiting = self.db.execute(f"SELECT cid FROM prompts WHERE state = 0 ORDER BY {self._waiting_order()} "
+                                  "LIMIT ?", (n,)).fetchall()
         return [c for (c,) in fed + waiting][:n]
 
     def result_lines(self) -> Iterator[bytes]:

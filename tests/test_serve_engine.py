@@ -40,9 +40,9 @@ def test_a_span_has_its_own_counts_export_and_cancel(tmp_path: Path) -> None:
                          (5, State.FED, 1, b'"c4 ok"', 1.0)])
     first, second = Span(1, 4), Span(5, 7)
     with s.read():
-        assert s.counts_in(first) == {"prompts": 4, "succeeded": 1, "failed": 1, "pending": 2, "waiting": 2,
+        assert s.counts_in(first, 1) == {"prompts": 4, "succeeded": 1, "failed": 1, "pending": 2, "waiting": 2,
                                       "fed": 0, "cancelled": 0}
-        assert s.counts_in(second) == {"prompts": 3, "succeeded": 1, "failed": 0, "pending": 2, "waiting": 1,
+        assert s.counts_in(second, 2) == {"prompts": 3, "succeeded": 1, "failed": 0, "pending": 2, "waiting": 1,
                                        "fed": 1, "cancelled": 0}
         assert s.fed_cids(second) == ["c5"] and s.fed_cids() == ["c5"]
     with s.write():
@@ -50,9 +50,9 @@ def test_a_span_has_its_own_counts_export_and_cancel(tmp_path: Path) -> None:
     assert [cid for _, cid in out] == ["c2", "c3"]
     assert s.cancelled_at() is None  # the run goes on: the other input is still fed
     with s.read():
-        assert s.counts_in(first)["pending"] == 0 and s.counts_in(first)["cancelled"] == 2
-        assert s.counts_in(second)["pending"] == 2
-    w = write_export(s, tmp_path / "out.jsonl", errors=tmp_path / "err.jsonl", span=first, private=True,
+        assert s.counts_in(first, 1)["pending"] == 0 and s.counts_in(first, 1)["cancelled"] == 2
+        assert s.counts_in(second, 2)["pending"] == 2
+    w = write_export(s, tmp_path / "out.jsonl", errors=tmp_path / "err.jsonl", span=(first, 1), private=True,
                      rewrite=lambda line: line.replace(b'"c', b'"x'))
     assert (tmp_path / "out.jsonl").read_bytes() == b'"x0 ok"\n'
     assert (tmp_path / "err.jsonl").read_bytes() == b'"x1 failed"\n"x2 cancelled"\n"x3 cancelled"\n'
@@ -76,6 +76,15 @@ def test_a_store_ordered_by_input_feeds_an_older_input_before_a_newer_one(tmp_pa
     plan = s.db.execute("EXPLAIN QUERY PLAN SELECT seq FROM prompts WHERE state = 0 ORDER BY file, cost DESC, seq "
                         "LIMIT 5").fetchall()
     assert "prompts_waiting_input" in str(plan) and "TEMP B-TREE" not in str(plan)
+    # a span's counts read indexes of what they count, never the span's rows (a poll stays cheap)
+    traced: list[str] = []
+    s.db.set_trace_callback(traced.append)
+    with s.read():
+        assert s.counts_in(Span(4, 6), 2)["waiting"] == 3
+    s.db.set_trace_callback(None)
+    for sql in (q for q in traced if q.startswith("SELECT")):
+        plan = str(s.db.execute("EXPLAIN QUERY PLAN " + sql).fetchall())
+        assert "USING INDEX" in plan and "SCAN" not in plan, (sql, plan)
 
 
 # --- the engine ------------------------------------------------------------------------------------------
@@ -165,7 +174,7 @@ def test_a_cancelled_batch_keeps_what_finished_drops_the_rest_and_a_late_result_
     head = Store.open(rig.store_path, run=RUN)  # the head collects, in its own process
     assert collect_once(rig.r, head, keys).succeeded == 1
     with rig.store.read():
-        assert rig.store.counts_in(Span(a.lo, a.hi))["succeeded"] == 3  # the store took it
+        assert rig.store.counts_in(Span(a.lo, a.hi), a.input_id)["succeeded"] == 3  # the store took it
     rig.engine.step()
     a2 = rig.now(a)
     assert (a2.status, a2.completed, a2.usage) == (a.status, 2, a.usage)

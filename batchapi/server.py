@@ -26,6 +26,7 @@ from aiohttp import web
 from batchfleet.config import Config
 from producer.api import repair_if_lost
 from producer.locate import Mode, ensure_marker, locate
+from producer.store import StoreError
 
 from .app import MB, make_app
 from .auth import ApiKeys
@@ -58,6 +59,10 @@ def prepare_store(config: Config, r: redis.Redis, queues: tuple[str, ...]) -> Pa
     input, with its run marker written. Returns its path."""
     loc = locate(config, r, explicit=True, mode=Mode.CREATE)
     try:
+        if loc.store.cancelled_at() is not None:
+            raise StoreError(f"run {config.run} was cancelled (producer cancel): its head feeds nothing any more; "
+                             f"serve another run (--run NAME), or `producer purge {config.run} --yes` and move its "
+                             f"store {loc.store.path} away")
         repair_if_lost(config, r, loc)
         with loc.store.write():
             loc.store.order_feed_by_input()

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import orjson
+import pytest
 import redis
 
 from batchapi.engine import Engine, Limits
@@ -22,7 +23,7 @@ from producer.collect import collect_once
 from producer.ends import cancel_prompts, cancelled_line
 from producer.export import write_export
 from producer.feed import feed_pass
-from producer.store import Span, State, Store
+from producer.store import Span, State, Store, StoreError
 
 from .test_producer_helpers import work
 from .test_store import rows
@@ -251,3 +252,5 @@ def test_cancel_prompts_of_the_whole_run_still_flags_it_and_tells_the_workers_wh
     assert rig.r.hget(Keys(RUN).cancel, "at") is not None and rig.store.cancelled_at() == 1.0
     assert rig.r.smembers(Keys(RUN).drop) == {job_id_for(RUN, f"{b.id}:r{i}").encode() for i in (0, 1)}
     assert orjson.loads(sub.get_message(timeout=5)["data"]) == {"drop": 2}
+    with pytest.raises(StoreError, match="run sv was cancelled"):  # serve will not take batches it cannot run
+        prepare_store(rig.config, rig.r, ("gpu0",))

@@ -223,8 +223,10 @@ class Engine:
 
             s = cancel_prompts(self.r, self.store, self.keys, line, at, span=span)
             self._seen_version.clear()  # it collected results itself: other batches count again
-            log.info("batch %s %s: %d request(s) taken back (jobs removed from Redis: %s)", b.id,
-                     "cancelled" if code == CANCELLED_CODE else "expired", s.cancelled, s.removed or "none")
+            removed = ", ".join(f"{n:,} {k.replace('_', ' ')}" for k, n in s.removed.items()) or "none"
+            taken = f"; {s.cancelled:,} request(s) taken back (jobs removed from Redis: {removed})"
+        else:
+            taken = ""
         files: dict[str, Any] = {"output_file_id": None, "error_file_id": None}
         counts: dict[str, int] = {}
         usage = None
@@ -243,7 +245,8 @@ class Engine:
                            failed=counts.get("failed", 0))
 
         self.registry.update(b.id, ended)
-        log.info("batch %s %s", b.id, final)
+        log.info("batch %s %s: %d succeeded, %d failed%s", b.id, final, counts.get("succeeded", 0),
+                 counts.get("failed", 0), taken)
 
     def _stored_span(self, b: BatchRecord) -> tuple[Span, int] | None:
         """A batch that ends before its record has a span: stored anyway (serve restarted between the

@@ -153,10 +153,11 @@ def test_a_cancelled_batch_keeps_its_partial_output_and_the_fleet_serves_the_nex
                                        "helper's worker/) is not on main yet: workers drop a cancelled prompt only "
                                        "when its lease beat finds the lease gone")
 def test_after_a_cancel_the_servers_stop_generating_within_seconds(tmp_path: Path, redis_url: str) -> None:
-    """Long generations in flight on both GPUs; the batch is cancelled: within 3 s of the cancel returning,
-    no simulated server runs or queues a request. Leases of 60 s (a beat every 20 s) keep the old road
-    (a worker finding its leases gone) out of the measure: only the announced drop can stop them in time."""
-    sv = gpu_serve(tmp_path, redis_url, SGLANG_SIM_TIME_SCALE="1", BATCHFLEET_LEASE_TTL_S="60").start()
+    """Long generations in flight on both GPUs; the batch is cancelled: within 3 s of the cancel ending,
+    no simulated server runs or queues a request. Leases of 900 s (a worker renews them when it starts,
+    then every 300 s) keep the old road, a worker finding its leases gone at its next beat, out of the
+    measure: only the announced drop (bf:<run>:drop, bf:<run>:signals) can stop them in time."""
+    sv = gpu_serve(tmp_path, redis_url, SGLANG_SIM_TIME_SCALE="1", BATCHFLEET_LEASE_TTL_S="900").start()
     client = sv.client()
     sent = batch_lines(40, max_tokens=1500)
     f = client.files.create(file=write_lines(tmp_path / "in.jsonl", sent).open("rb"), purpose="batch")

@@ -212,6 +212,7 @@ def test_what_serve_keeps_on_disk_is_private(tmp_path: Path, redis_url: str) -> 
     client = sv.client()
     f = client.files.create(file=write_lines(tmp_path / "in.jsonl", batch_lines(2)).open("rb"), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_status(client, batch.id, {"in_progress"})  # its requests in the store: the cancel writes an error file
     client.batches.cancel(batch.id)
     b = wait_status(client, batch.id, {"cancelled"})
     assert b.error_file_id is not None and b.cancelling_at is not None and b.cancelled_at is not None

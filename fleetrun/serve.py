@@ -59,13 +59,13 @@ RESTART_AFTER_S = 5.0  # a head that exited is started again after this
 
 def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
     s = sub.add_parser("serve", help="the OpenAI Batch API (Files and Batches) on this fleet (docs/api.md)",
-                       description=__doc__.split("\n\n")[0], parents=[parent],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (another than loopback needs API keys)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+                       description=__doc__.split("\n\n")[0], parents=[parent])
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1; another than loopback needs API keys)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     s.add_argument("--gpus", metavar="GPUS", help="also run this host's workers on these GPUs, e.g. 0-7 or 0,2,5, "
                    "with the head and the autopilot (default: none here: workers elsewhere serve the run)")
-    s.add_argument("--tp", type=int, default=1, metavar="N", help="GPUs per server (tensor parallel)")
+    s.add_argument("--tp", type=int, default=1, metavar="N", help="GPUs per server, tensor parallel (default: 1)")
     s.add_argument("--state-dir", type=Path, metavar="DIR",
                    help="the run's store, the API's files and records, logs (default: BATCHFLEET_STATE_DIR, else "
                         ".batchfleet)")
@@ -73,10 +73,12 @@ def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser)
                    help="bearer API keys, one a line, mode 0600 (also: BATCHFLEET_API_KEYS, comma-separated)")
     s.add_argument("--model", metavar="NAME",
                    help="body.model of a request without one (default: BATCHFLEET_MODEL_PATH, else 'default')")
-    s.add_argument("--max-upload-mb", type=float, default=200.0, metavar="MB", help="largest file upload, in MB")
-    s.add_argument("--max-requests", type=int, default=50_000, metavar="N", help="most requests in one batch")
+    s.add_argument("--max-upload-mb", type=float, default=200.0, metavar="MB",
+                   help="largest file upload, in MB (default: 200)")
+    s.add_argument("--max-requests", type=int, default=50_000, metavar="N",
+                   help="most requests in one batch (default: 50000)")
     s.add_argument("--completion-window-s", type=float, default=24 * 3600.0, metavar="S",
-                   help="how long a batch's `24h` window lasts: past it the batch expires")
+                   help="how long a batch's `24h` window lasts: past it the batch expires (default: 86400)")
     s.add_argument("--dry-run", action="store_true", help="with --gpus: the supervisor only advises")
     s.add_argument("--no-supervisor", action="store_true", help="with --gpus: do not start `supervisor watch`")
 

@@ -34,6 +34,7 @@ import orjson
 import redis
 
 from batchfleet.config import Config
+from batchfleet.errors import ErrorCode
 from batchfleet.keys import Keys
 from producer.ends import cancel_prompts, cancelled_line
 from producer.export import write_export
@@ -49,7 +50,6 @@ __all__ = ["COUNT_EVERY_S", "Engine", "Limits"]
 log = logging.getLogger("batchfleet.serve")
 
 COUNT_EVERY_S = 1.0  # request_counts of a running batch are at most this old (longer for huge batches)
-CANCELLED_CODE, EXPIRED_CODE = "batch_cancelled", "batch_expired"  # OpenAI's codes for lines never run
 
 
 class Limits:
@@ -213,8 +213,9 @@ class Engine:
         where = (_span(b), b.input_id or 0) if b.lo is not None else self._stored_span(b)
         span = None if where is None else where[0]
         if final is not BatchStatus.COMPLETED and span is not None:
-            code = CANCELLED_CODE if final is BatchStatus.CANCELLED else EXPIRED_CODE
-            message = ("This request was not executed because the batch was cancelled." if code == CANCELLED_CODE
+            code = ErrorCode.BATCH_CANCELLED if final is BatchStatus.CANCELLED else ErrorCode.BATCH_EXPIRED
+            message = ("This request was not executed because the batch was cancelled."
+                       if code is ErrorCode.BATCH_CANCELLED
                        else "This request could not be executed before the completion window expired.")
             run = self.config.run
 

@@ -32,7 +32,7 @@ under `bf:<run>:`.
 | bf:<run>:autopilot | string | supervisor | the autopilot's state (phase, changes tried and failed) |
 | bf:<run>:cancel | hash | producer/worker | `producer cancel` was run: `at`; `ack:<worker>` = prompts dropped |
 | bf:<run>:refeed | list | worker | custom_ids of trimmed failed jobs `rq requeue` brought back: the head feeds them |
-| bf:<run>:launcher | string | batchfleet run | lease of the live `batchfleet run` (host, pid; LAUNCHER_TTL_S) |
+| bf:<run>:launcher | string | batchfleet run/serve | lease of the live launcher (command, host, pid; LAUNCHER_TTL_S) |
 | bf:<run>:drop | set | producer | job ids of prompts cancelled while fed (DROP_TTL_S, renewed on each add) (***) |
 | bf:<run>:signals | channel | producer | PUBLISH `{"drop": n}` after adding n job ids to `drop` (***) |
 
@@ -108,7 +108,7 @@ STARTED_REGISTRY_TTL_S = 24 * 3600  # RQ's cleanup must never reap our jobs; lea
 STRIKES_TTL_S = 7 * 24 * 3600  # a prompt's server-death count outlives any worker, not the run's failed jobs
 FINISHED_TTL_S = 7 * 24 * 3600  # default life of a finished run's keys (config `finished_ttl_s`)
 TRIMMED = "trimmed"  # field of a failed job hash whose `data` was trimmed (its original size in bytes)
-LAUNCHER_TTL_S = 15  # a `batchfleet run` killed with -9 blocks the next one on another host at most this long
+LAUNCHER_TTL_S = 15  # a launcher killed with -9 blocks the next one on another host at most this long
 DROP_TTL_S = 24 * 3600  # the drop set lives a day past its last addition
 EVENTS_MAXLEN = 10_000
 HISTORY_MAXLEN = 100_000  # one fleet sample per second is a day of history
@@ -233,8 +233,8 @@ class Keys:
 
     @property
     def launcher(self) -> str:
-        """The lease of the live `batchfleet run` of the run (see fleetrun.lease); not in `run_keys`: it
-        keeps its own TTL."""
+        """The lease of the live `batchfleet run` or `batchfleet serve` of the run (see fleetrun.lease); not
+        in `run_keys`: it keeps its own TTL."""
         return self.prefix + "launcher"
 
     @property

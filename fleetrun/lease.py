@@ -1,10 +1,10 @@
-"""One live `batchfleet run` per run, on every host that shares its Redis.
+"""One live launcher (`batchfleet run` or `batchfleet serve`) per run, on every host that shares its Redis.
 
-The live one holds a lease in Redis, `bf:<run>:launcher` (its host, pid, start time and a token), with
-a TTL of LAUNCHER_TTL_S that a thread renews every third of it. A second `batchfleet run` of the same
-run finds the lease and stops before it starts anything: "another batchfleet run of R is active
-(host, pid)". One killed with -9 stops renewing, so its lease lapses within LAUNCHER_TTL_S; on its own
-host it is taken over at once, as soon as its pid is gone.
+The live one holds a lease in Redis, `bf:<run>:launcher` (its command, host, pid, start time and a
+token), with a TTL of LAUNCHER_TTL_S that a thread renews every third of it. A second `batchfleet run`
+or `batchfleet serve` of the same run finds the lease and stops before it starts anything: "another
+batchfleet run of R is active (host, pid)". One killed with -9 stops renewing, so its lease lapses
+within LAUNCHER_TTL_S; on its own host it is taken over at once, as soon as its pid is gone.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import orjson
 import redis
@@ -23,9 +23,12 @@ import redis
 from batchfleet.keys import LAUNCHER_TTL_S, Keys
 from batchfleet.procs import pid_alive
 
-__all__ = ["Holder", "LaunchLease", "RunActive"]
+__all__ = ["RUN", "SERVE", "Holder", "LaunchLease", "RunActive"]
 
 HOST = socket.gethostname()
+
+
+RUN, SERVE = "batchfleet run", "batchfleet serve"  # the launchers
 
 
 @dataclass(frozen=True)
@@ -34,20 +37,25 @@ class Holder:
     pid: int
     started: float
     token: str
+    command: str = RUN  # which launcher holds it
 
     def to_json(self) -> bytes:
-        return orjson.dumps({"host": self.host, "pid": self.pid, "started": self.started, "token": self.token})
+        return orjson.dumps({"host": self.host, "pid": self.pid, "started": self.started, "token": self.token,
+                             "command": self.command})
 
     @classmethod
     def from_json(cls, raw: bytes) -> Holder | None:
         """None when the record is not one (it is data from Redis: anything may be there)."""
         try:
             d = orjson.loads(raw)
-            holder = cls(host=d["host"], pid=d["pid"], started=d["started"], token=d["token"])
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+            holder = cls(host=d["host"], pid=d["pid"], started=d["started"], token=d["token"],
+                         command=d.get("command", RUN))
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             return None
         ok = (isinstance(holder.host, str) and isinstance(holder.pid, int) and not isinstance(holder.pid, bool)
               and isinstance(holder.started, int | float) and isinstance(holder.token, str))
+        if ok and holder.command not in (RUN, SERVE):  # a launcher this version does not know: still a holder
+            holder = replace(holder, command="batchfleet launcher")
         return holder if ok else None
 
     def gone(self) -> bool:
@@ -56,11 +64,11 @@ class Holder:
 
 
 class RunActive(Exception):
-    """Another `batchfleet run` of this run holds the lease."""
+    """Another `batchfleet run` or `batchfleet serve` of this run holds the lease."""
 
     def __init__(self, run: str, holder: Holder) -> None:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.started))
-        super().__init__(f"another batchfleet run of {run} is active ({holder.host}, pid {holder.pid}, since "
+        super().__init__(f"another {holder.command} of {run} is active ({holder.host}, pid {holder.pid}, since "
                          f"{since}): nothing was started. Wait for it, or stop it (Ctrl-C drains it); if it was "
                          f"killed, its lease ({Keys(run).launcher}) lapses within {LAUNCHER_TTL_S} s")
         self.holder = holder
@@ -69,12 +77,12 @@ class RunActive(Exception):
 class LaunchLease:
     """`acquire()` before starting anything (raises RunActive), `release()` at the end."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, *, ttl_s: float = LAUNCHER_TTL_S) -> None:
+    def __init__(self, r: redis.Redis, keys: Keys, *, ttl_s: float = LAUNCHER_TTL_S, command: str = RUN) -> None:
         self.r = r
         self.key = keys.launcher
         self.run = keys.run
         self.ttl_ms = int(ttl_s * 1000)
-        self.me = Holder(host=HOST, pid=os.getpid(), started=time.time(), token=uuid.uuid4().hex)
+        self.me = Holder(host=HOST, pid=os.getpid(), started=time.time(), token=uuid.uuid4().hex, command=command)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

@@ -31,7 +31,8 @@ class PrivateRedisError(Exception):
 
 
 class PrivateRedisBusy(PrivateRedisError):
-    """A live redis-server already uses the directory: another `batchfleet run` of the run is active."""
+    """A live redis-server already uses the directory: another `batchfleet run` or `serve` of the run is
+    active."""
 
 
 def _parent_of(pid: int) -> int | None:
@@ -89,11 +90,12 @@ class PrivateRedis:
             if pid_alive(pid):
                 parent = _parent_of(pid)
                 if parent is not None and parent > 1:
-                    raise PrivateRedisBusy(f"another batchfleet run of {self.run} is active ({HOST}, pid {parent}): "
-                                           f"its private redis-server (pid {pid}) uses {self.dir}; nothing was "
-                                           "started")
-                raise PrivateRedisBusy(f"a redis-server (pid {pid}) already uses {self.dir}: the `batchfleet run` of "
-                                       f"{self.run} that started it is gone but its Redis outlived it: stop that pid")
+                    raise PrivateRedisBusy(f"another batchfleet run or serve of {self.run} is active ({HOST}, pid "
+                                           f"{parent}): its private redis-server (pid {pid}) uses {self.dir}; "
+                                           "nothing was started")
+                raise PrivateRedisBusy(f"a redis-server (pid {pid}) already uses {self.dir}: the `batchfleet run` or "
+                                       f"`serve` of {self.run} that started it is gone but its Redis outlived it: "
+                                       "stop that pid")
         self.port = _free_port()
         log = (self.dir / "redis.log").open("ab")
         self.proc = subprocess.Popen(

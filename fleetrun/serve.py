@@ -10,8 +10,14 @@ this fleet (batchapi/, docs/api.md).
     4. The API until SIGINT/SIGTERM, one line per supervisor decision or server restart; a head that
        exits is started again. Then the workers drain (they hand back what they hold) and stop.
 
-Exit status: 0 stopped by SIGINT/SIGTERM; 2 usage, configuration, Redis or store error, a port in
-use, an open API on a non-loopback address; 130 interrupted while starting.
+Exit status: 0 stopped by SIGINT/SIGTERM; 2 usage, configuration, Redis, store or I/O error, a port
+in use, an open API on a non-loopback address; 3 another `batchfleet serve` or `batchfleet run` of
+the run is active (nothing was started); 130 interrupted while starting. One line on stderr, never
+a traceback.
+
+Files as `batchfleet run` keeps them (fleetrun.launch): the state dir is 0700, the run logs to
+<state dir>/logs/<run>/ with a header line per launch, and the launcher lease in Redis
+(fleetrun.lease) keeps a second launcher of the same run from starting anything.
 """
 
 from __future__ import annotations
@@ -26,33 +32,49 @@ import sqlite3
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
+from batchfleet.cliopts import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    broken_pipe,
+    error_line,
+    port,
+    positive,
+)
 from batchfleet.config import Config
 from batchfleet.connection import connect
 from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
-from batchfleet.redact import Scrubber, install_log_scrubbing, private_dir
+from batchfleet.redact import Scrubber, install_log_scrubbing
 from producer.store import StoreError
 
 from .launch import (
     Events,
     Procs,
-    UsageError,
     event_line,
     fleet_redis,
     gpu_groups,
+    own_dirs,
     parse_gpus,
     queues_of,
     start_fleet,
     start_head,
 )
-from .redisproc import PrivateRedisError
+from .lease import SERVE, LaunchLease, RunActive
+from .redisproc import PrivateRedisBusy, PrivateRedisError
+
+if TYPE_CHECKING:
+    from batchapi import ApiKeys, ServeOptions
 
 __all__ = ["add_parser", "main"]
 
-EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+EXIT_ERROR = EXIT_USAGE
+EXIT_ACTIVE = 3  # another launcher of the run is active (as `batchfleet run`'s)
 DEFAULT_RUN = "serve"
 RESTART_AFTER_S = 5.0  # a head that exited is started again after this
 
@@ -62,10 +84,11 @@ def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser)
                        description=__doc__.split("\n\n")[0], parents=[parent])
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1; another than loopback needs API keys)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    s.add_argument("--port", type=port, default=8000, metavar="PORT", help="port to listen on (default: 8000)")
     s.add_argument("--gpus", metavar="GPUS", help="also run this host's workers on these GPUs, e.g. 0-7 or 0,2,5, "
                    "with the head and the autopilot (default: none here: workers elsewhere serve the run)")
-    s.add_argument("--tp", type=int, default=1, metavar="N", help="GPUs per server, tensor parallel (default: 1)")
+    s.add_argument("--tp", type=positive(int), default=1, metavar="N",
+                   help="GPUs per server, tensor parallel (default: 1)")
     s.add_argument("--state-dir", type=Path, metavar="DIR",
                    help="the run's store, the API's files and records, logs (default: BATCHFLEET_STATE_DIR, else "
                         ".batchfleet)")
@@ -73,11 +96,11 @@ def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser)
                    help="bearer API keys, one a line, mode 0600 (also: BATCHFLEET_API_KEYS, comma-separated)")
     s.add_argument("--model", metavar="NAME",
                    help="body.model of a request without one (default: BATCHFLEET_MODEL_PATH, else 'default')")
-    s.add_argument("--max-upload-mb", type=float, default=200.0, metavar="MB",
+    s.add_argument("--max-upload-mb", type=positive(), default=200.0, metavar="MB",
                    help="largest file upload, in MB (default: 200)")
-    s.add_argument("--max-requests", type=int, default=50_000, metavar="N",
+    s.add_argument("--max-requests", type=positive(int), default=50_000, metavar="N",
                    help="most requests in one batch (default: 50000)")
-    s.add_argument("--completion-window-s", type=float, default=24 * 3600.0, metavar="S",
+    s.add_argument("--completion-window-s", type=positive(), default=24 * 3600.0, metavar="S",
                    help="how long a batch's `24h` window lasts: past it the batch expires (default: 86400)")
     s.add_argument("--dry-run", action="store_true", help="with --gpus: the supervisor only advises")
     s.add_argument("--no-supervisor", action="store_true", help="with --gpus: do not start `supervisor watch`")
@@ -92,33 +115,38 @@ def main(args: argparse.Namespace) -> int:
     def interrupt(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
+    def fail(text: str, code: int = EXIT_ERROR) -> int:
+        error_line("batchfleet", text)
+        return code
+
     old = signal.signal(signal.SIGTERM, interrupt)  # while starting, SIGTERM is a Ctrl-C: cleanup runs
     try:
         return _serve(args)
+    except BrokenPipeError:
+        return broken_pipe()
+    except (RunActive, PrivateRedisBusy) as exc:
+        return fail(str(exc), EXIT_ACTIVE)
     except (UsageError, ConfigError, StoreError, PrivateRedisError) as exc:
-        print(f"batchfleet: {exc}", file=sys.stderr)
+        return fail(str(exc))
     except redis.RedisError as exc:
-        print(f"batchfleet: Redis failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return fail(f"Redis failed: {type(exc).__name__}: {exc}")
     except sqlite3.Error as exc:
-        print(f"batchfleet: store: {exc}", file=sys.stderr)
+        return fail(f"store: {exc}")
+    except OSError as exc:  # a file or directory that cannot be made, read or written
+        return fail(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc))
     except KeyboardInterrupt:
-        print("batchfleet: interrupted while starting", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return fail("interrupted while starting", EXIT_INTERRUPTED)
     finally:
         signal.signal(signal.SIGTERM, old)
-    return EXIT_ERROR
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from batchapi import ApiKeys, AuthError, ServeError, ServeOptions, check_exposure, prepare_store, serve_api
+    from batchapi import ApiKeys, AuthError, ServeOptions, check_exposure
 
     run = args.run or os.environ.get("BATCHFLEET_RUN") or DEFAULT_RUN
     config = Config.from_env(run=run, redis_url=args.redis_url, state_dir=args.state_dir)
-    config = config.with_(state_dir=config.state_dir.absolute())
-    if not 0 < args.port < 65536:
-        raise UsageError(f"--port {args.port}: not a port")
-    if args.max_upload_mb <= 0 or args.max_requests < 1 or args.completion_window_s <= 0:
-        raise UsageError("--max-upload-mb, --max-requests and --completion-window-s must be positive")
+    if args.port == 0:
+        raise UsageError("--port 0: give the port the API listens on (1-65535)")
     try:
         keys = ApiKeys.from_config(config, args.api_keys_file)
         check_exposure(args.host, keys)
@@ -135,28 +163,44 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, max_upload_bytes=int(args.max_upload_mb * 1_000_000),
                            max_requests=args.max_requests, window_s=args.completion_window_s,
                            model=args.model or config.model_path or "default", queues=queues)
+    config = own_dirs(config)  # the state dir (0700) and <state dir>/logs/<run>/, or a usage error now
     _check_port(args.host, args.port)  # before anything starts
     given = args.redis_url or os.environ.get("BATCHFLEET_REDIS_URL") or os.environ.get("REDIS_URL")
     with fleet_redis(config, given, _say) as url:
         config = config.with_(redis_url=url)
         r = connect(url)
         r.ping()
-        prepare_store(config, r, queues)
-        logs = private_dir(config.state_dir / "logs")
-        procs = Procs(logs)
-        watch = _Watch(procs, r, Keys(run), config, groups)
+        lease = LaunchLease(r, Keys(run), command=SERVE)
+        lease.acquire()  # before anything starts: a second serve (or run) of this run stops here
         try:
-            started = start_fleet(procs, config, groups, supervisor=bool(groups) and not args.no_supervisor,
-                                  dry_run=args.dry_run)
-            _say(f"run {run}: {started}; logs in {logs}"
-                 + ("" if groups else f"; workers elsewhere serve it: BATCHFLEET_RUN={run} rq worker <host>.gpuN"))
-            auth = f"{len(keys)} API key(s)" if keys.enabled else "no API key (loopback only)"
-            serve_api(config, r, keys, options, tick=watch.tick,
-                      on_ready=lambda where: _say(f"the OpenAI Batch API at {where} ({auth}); Ctrl-C stops"))
-        except ServeError as exc:
-            raise UsageError(str(exc)) from None
+            return _serve_leased(args, config, r, keys, options, groups)
         finally:
-            _stop(procs, config)
+            lease.release()
+
+
+def _serve_leased(args: argparse.Namespace, config: Config, r: redis.Redis, keys: ApiKeys, options: ServeOptions,
+                  groups: list[tuple[int, ...]]) -> int:
+    """What runs under the launcher lease: the store made ready, the fleet started, the API until a signal."""
+    from batchapi import ServeError, prepare_store, serve_api
+
+    run = config.run
+    queues = options.queues
+    prepare_store(config, r, queues)
+    logs = config.logs  # <state dir>/logs/<run>, 0700 (see launch.own_dirs)
+    procs = Procs(logs, launcher=SERVE)
+    watch = _Watch(procs, r, Keys(run), config, groups)
+    try:
+        started = start_fleet(procs, config, groups, supervisor=bool(groups) and not args.no_supervisor,
+                              dry_run=args.dry_run)
+        _say(f"run {run}: {started}; logs in {logs}"
+             + ("" if groups else f"; workers elsewhere serve it: BATCHFLEET_RUN={run} rq worker <host>.gpuN"))
+        auth = f"{len(keys)} API key(s)" if keys.enabled else "no API key (loopback only)"
+        serve_api(config, r, keys, options, tick=watch.tick,
+                  on_ready=lambda where: _say(f"the OpenAI Batch API at {where} ({auth}); Ctrl-C stops"))
+    except ServeError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        _stop(procs, config)
     return EXIT_OK
 
 

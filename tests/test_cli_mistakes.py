@@ -116,6 +116,23 @@ CASES: dict[str, Case] = {
         ["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--timeout", "-1"], 2, "must be more than 0"),
     "batchfleet run: GPUs that are not indices": Case(
         ["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--gpus", "all"], 2, "--gpus wants GPU indices"),
+    "batchfleet serve: a port in use": Case(["batchfleet", "serve", "--port", "{port}"], 2,
+                                            "cannot serve on 127.0.0.1:{port}: in use"),
+    "batchfleet serve: a port out of range": Case(["batchfleet", "serve", "--port", "70000"], 2, "is not a port"),
+    "batchfleet serve: another address than loopback without API keys": Case(
+        ["batchfleet", "serve", "--host", "0.0.0.0", "--port", "{port}"], 2, "without keys"),
+    "batchfleet serve: a --tp that is not a number": Case(["batchfleet", "serve", "--tp", "two"], 2,
+                                                          "argument --tp: 'two' is not an integer"),
+    "batchfleet serve: --tp without --gpus": Case(["batchfleet", "serve", "--tp", "2", "--port", "{port}"], 2,
+                                                  "--tp goes with --gpus"),
+    "batchfleet serve: GPU groups the launcher does not start": Case(
+        ["batchfleet", "serve", "--gpus", "0-1", "--tp", "2", "--port", "{port}"], 2,
+        "--tp 2: servers on groups of GPUs are not started"),
+    "batchfleet serve: a batch limit of 0": Case(["batchfleet", "serve", "--max-requests", "0"], 2,
+                                                 "argument --max-requests: '0': must be more than 0"),
+    "batchfleet serve: a state dir that cannot be created": Case(
+        ["batchfleet", "serve", "--state-dir", "{file}/s", "--port", "{port}"], 2,
+        "state dir {file}/s cannot be created or written: Not a directory"),
     # --- rq worker with batchfleet's class ---
     "worker: a Redis URL without a scheme shows the fix": Case(
         ["rq", "worker", "w.gpu0"], 2, "write redis://{hostport}/0", env={"REDIS_URL": "{hostport}"}),

@@ -13,11 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 import redis
 
 from batchfleet.keys import RQ_WORKERS, Keys
-from fleetrun.lease import Holder, LaunchLease, RunActive
+from fleetrun.lease import SERVE, Holder, LaunchLease, RunActive
 
 from .fleet import write_prompts
 from .test_fleetrun import check_export, output, procs, run_env, start  # noqa: F401  (procs: a fixture)
@@ -73,6 +74,25 @@ def test_a_lease_of_a_killed_run_is_taken_over_on_its_host_and_lapses_on_another
     lease = LaunchLease(r, Keys("lk"))
     lease.acquire()
     lease.release()
+
+
+def test_a_lease_says_which_launcher_holds_it_and_one_this_version_does_not_know_still_holds(
+        r: redis.Redis) -> None:
+    key = Keys("lc").launcher
+    serve = LaunchLease(r, Keys("lc"), command=SERVE)
+    serve.acquire()
+    try:
+        with pytest.raises(RunActive, match=rf"another batchfleet serve of lc is active \({HOST}, pid {os.getpid()},"):
+            LaunchLease(r, Keys("lc")).acquire()  # a `batchfleet run` of the same run
+    finally:
+        serve.release()
+    record = {"host": "elsewhere", "pid": 1234, "started": time.time(), "token": "t"}
+    for command, named in ((None, "batchfleet run"), ("batchfleet train", "batchfleet launcher")):
+        # written before launchers said which they are, or by a launcher this version does not know
+        r.set(key, orjson.dumps(record if command is None else {**record, "command": command}), px=60_000)
+        with pytest.raises(RunActive, match=rf"another {named} of lc is active \(elsewhere, pid 1234,"):
+            LaunchLease(r, Keys("lc"), command=SERVE).acquire()
+    r.delete(key)
 
 
 def test_the_live_run_renews_its_lease_and_releases_only_its_own(r: redis.Redis) -> None:

@@ -6,6 +6,8 @@ bookkeeping, tests/test_producer_helpers.py). End to end on simulated GPUs: test
 from __future__ import annotations
 
 import hashlib
+import re
+import socket
 import stat
 import subprocess
 import time
@@ -16,10 +18,13 @@ import httpx
 import openai
 import orjson
 import pytest
+import redis
 from openai.types import Batch, FileObject
 
+from batchfleet.keys import Keys
 from batchfleet.records import Result
 
+from .conftest import free_port
 from .serveproc import BIN, Serve, batch_lines, serve_env, write_lines
 from .test_producer_helpers import work
 
@@ -128,12 +133,10 @@ def test_serving_beyond_loopback_needs_keys_and_mistakes_are_one_line(tmp_path: 
     loose = tmp_path / "keys.txt"
     loose.write_text("sk-one\n")
     loose.chmod(0o644)
+    # more wrong inputs (a port in use, --tp, a state dir that cannot be made): tests/test_cli_mistakes.py
     cases = [
         (["--host", "0.0.0.0"], "would open the API to other machines without keys"),
         (["--host", "0.0.0.0", "--api-keys-file", str(loose)], "may be read by others"),
-        (["--gpus", "0-1", "--tp", "2"], "--tp 2: servers on groups of GPUs are not started"),
-        (["--tp", "2"], "--tp goes with --gpus"),
-        (["--max-requests", "0"], "must be positive"),
     ]
     for argv, words in cases:
         done = subprocess.run([str(BIN / "batchfleet"), "serve", "--state-dir", str(tmp_path / "st"), *argv],
@@ -220,3 +223,30 @@ def test_what_serve_keeps_on_disk_is_private(tmp_path: Path, redis_url: str) -> 
     for p in [sv.state, *sv.state.rglob("*")]:
         mode = stat.S_IMODE(p.stat().st_mode)
         assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
+
+
+def test_a_second_serve_or_run_of_the_same_run_says_which_serve_is_active_and_starts_nothing(
+        tmp_path: Path, redis_url: str) -> None:
+    sv = Serve(tmp_path, redis_url).start()
+    assert sv.proc is not None
+    env = serve_env(tmp_path, redis_url)
+    logs = sv.state / "logs" / sv.run
+    write_lines(tmp_path / "in.jsonl", batch_lines(2))
+    for argv in (["serve", "--port", str(free_port())],
+                 ["run", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--gpus", "0"]):
+        done = subprocess.run([str(BIN / "batchfleet"), *argv, "--run", sv.run, "--state-dir", str(sv.state)],
+                              env=env, capture_output=True, text=True, timeout=60)
+        errors = [x for x in done.stderr.splitlines() if x.startswith("batchfleet")]  # after the Redis it found
+        assert done.returncode == 3 and len(errors) == 1 and "Traceback" not in done.stderr, (argv, done.stderr)
+        assert (f"another batchfleet serve of {sv.run} is active ({socket.gethostname()}, pid {sv.proc.pid}, since"
+                in errors[0]), errors[0]
+    # nothing was started: one head (the live serve's), no worker, nothing enqueued
+    assert len(re.findall(r"starts head", (logs / "head.log").read_text())) == 1
+    assert sorted(p.name for p in logs.iterdir()) == ["head.log"]
+    assert sv.proc.poll() is None and list(sv.client().files.list()) == []  # the live one serves on
+    assert sv.stop() == 0
+    assert not redis.Redis.from_url(redis_url).exists(Keys(sv.run).launcher)  # released on the way out
+    sv.start()  # the next launch of the run: its own header line in the same per-run log
+    assert sv.stop() == 0
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+    assert len(re.findall(r"batchfleet serve \(pid \d+\) starts head", (logs / "head.log").read_text())) == 2

@@ -10,7 +10,7 @@ read a job's origin from its hash and derive that queue's keys (`derives`).
 | check | recover.audit | where each fed job is now: one letter per job |
 | take_failed | recover.recover | take back jobs failed by a foreign worker |
 | trim | trim.trim_failed | a collected failure's job keeps a stub of its data |
-| cancel | ends.cancel | remove a cancelled run's jobs, whatever state they are in |
+| cancel | ends.cancel_prompts | remove cancelled prompts' jobs (a run's or a serve batch's), in any state |
 | run_jobs | ends.purge | which of a SCAN batch of job keys belong to a run |
 | expire | ends.expire_finished | a finished run's keys expire (never later than they would) |
 | expire_failed | ends.expire_finished | a finished run's failed jobs expire, with their failed-registry score |

@@ -1,5 +1,6 @@
--- Remove each of a cancelled run's jobs: queued (from its queue, suspects, isolate), started (its
--- leases and started-registry entries: a late finish is refused as stale) or failed without a result
+-- Remove each job of cancelled prompts (a run's, or a `batchfleet serve` batch's): queued (from its
+-- queue, suspects, isolate), started (its leases and started-registry entries: a late finish is
+-- refused as stale) or failed without a result
 -- (its failed-registry entry), with its RQ result; a job whose result is in the stream is left for
 -- the collector. The origin is read from the job's hash: its queue and registries are derived.
 -- -> one letter per job: q queued (removed), s started (removed), f failed (removed), d done (left),

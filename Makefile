@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Test processes (pytest-xdist): the end-to-end tests mostly wait on simulated servers and leases, so
+# four share two cores well. TEST_JOBS=0 runs everything in this one process.
+TEST_JOBS ?= 4
 
 .PHONY: install demo test test-quick lint bench clean acl
 
@@ -18,12 +21,12 @@ demo: install
 
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_JOBS) --dist worksteal
 
 # For iteration: everything but the end-to-end scenarios (marked slow). `make test` runs everything.
 test-quick: install
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n $(TEST_JOBS) --dist worksteal -m "not slow"
 
 lint: install
 	$(BIN)/ruff check .

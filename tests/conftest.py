@@ -3,6 +3,7 @@ and restart it without touching the machine's own Redis), flushed before each te
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -50,6 +51,13 @@ def free_port_block(n: int = 1) -> int:
     session."""
     high = min(_ephemeral_low(), 60000)
     low = 10000 if high > 12000 else 1024
+    # Under pytest-xdist each worker process draws from its own slice, so two of them never pick the
+    # same free block between checking it and binding it.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    me = int((os.environ.get("PYTEST_XDIST_WORKER") or "gw0")[2:] or 0)
+    if workers > 1:
+        span = (high - low) // workers
+        low, high = low + me * span, low + (me + 1) * span
     for _ in range(2000):
         base = _rng.randrange(low, high - n)
         block = range(base, base + n)

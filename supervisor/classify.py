@@ -5,8 +5,8 @@ Classes, checked in this order (the first that fits wins):
 | class | meaning | the fix is |
 | --- | --- | --- |
 | down | the worker reports its server down (e.g. failed to start) | the worker's message |
-| restarting | starting, draining for a new spec, or restarting | wait |
 | silent | the worker's status record was not rewritten for 10 s: it is gone or stuck | its host |
+| restarting | starting, draining for a new spec, or restarting | wait |
 | hung | in flight but no token and no finished prompt over the whole window | the worker's health check |
 | idle | the run has ended (its marker says so): nothing left to serve | nothing |
 | draining | no backlog left in Redis, or too little to fill the fleet's free slots | nothing |

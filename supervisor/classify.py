@@ -318,8 +318,8 @@ def _flag(views: list[ServerView], th: Thresholds) -> tuple[dict[str, list[str]]
     gpus: dict[str, list[str]] = {}
     hosts: dict[str, list[str]] = {}
     # Steady for the whole window, on its generation: a server restarted within the window (a rollout's)
-    # has a window rate that counts its downtime. Under load one read 377 tok/s beside peers' 4,900, and with
-    # three GPUs, "far from its peers" was said of all three.
+    # has a window rate that counts its downtime, far below its peers' for no fault of its own, and it
+    # would drag the peers' median with it (with three GPUs, every one would read as an outlier).
     steady = [v for v in views if v.cls in STEADY and v.effective_max > 0 and v.points
               and all(p.serving and p.generation == v.generation for p in v.points)]
     for gen in sorted({v.generation for v in steady}):

@@ -138,8 +138,8 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture(autouse=True)
 def _no_fleet_outlives_its_test() -> Iterator[None]:
     """Kill every process of every Fleet the test made, pass or fail, even one made without the
-    `fleets` fixture: a worker left alive takes the next tests' jobs from the shared Redis (one failure
-    once cascaded into 18, and on 2026-12-01 into 8)."""
+    `fleets` fixture: a worker left alive takes the next tests' jobs from the shared Redis, so one
+    failure would fail the tests after it too."""
     yield
     from .fleet import Fleet  # tests/fleet.py imports this module
 

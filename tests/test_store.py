@@ -60,8 +60,8 @@ def test_a_store_being_created_is_missing_never_half_made(tmp_path: Path, monkey
     """The head starts before the first enqueue (the Procfile's order) and polls the store's path. Before
     each statement `create_or_open` runs, another connection opens the store as the head does
     (read-write): it must find no store yet (MissingStore: the head waits) or the whole store in WAL mode,
-    never a half-made one. CI met "made by another version (store layout 1)" here: the tables were
-    committed before the meta rows, and the head exited 2."""
+    never a half-made one: tables committed before their meta rows read as "made by another version"
+    and the head would exit 2."""
     path = tmp_path / "state" / "r.sqlite"
     seen: list[str] = []
     connect = Store._connect
@@ -131,9 +131,8 @@ def _create(path: Path, out: Queue) -> None:
 @pytest.mark.slow
 def test_two_enqueues_and_two_heads_racing_for_a_new_store_all_get_the_same_one(tmp_path: Path) -> None:
     """Real processes, 300 times: two `create_or_open` (two enqueues) and two openers polling the path
-    (heads). Each gets the same store; none gets "database is locked" or a half-made store. Before the
-    store was made aside and linked into place, 10 of 400 such rounds failed (the CI failure: enqueue
-    exited 2 with "database is locked" while the head switched the new file to WAL)."""
+    (heads). Each gets the same store; none gets "database is locked" or a half-made store: the store
+    is made aside and linked into place, so no opener meets a file being switched to WAL."""
     ctx = get_context("fork")
     failures: list[str] = []
     for i in range(300):

@@ -173,8 +173,8 @@ def test_a_canary_on_a_new_generation_is_not_an_outlier():
 
 
 def test_a_server_restarted_within_the_window_is_not_compared_with_its_peers():
-    # A rollout's last GPU restarted mid-window: its window rate counts the downtime (CI under load: 377 tok/s
-    # beside 4,900), and with three GPUs "far from its peers" was said of all three.
+    # A rollout's last GPU restarted mid-window: its window rate counts the downtime, a small fraction of
+    # its peers', and with three GPUs it would make every one of them read as far from its peers.
     new = dict(generation=1, strategy="no_buffer", cap=22, in_flight=22, facts=NB)
 
     def fleet(t: float) -> list[WorkerStatus]:
@@ -315,8 +315,9 @@ def test_not_worth_it_when_little_work_is_left():
 
 
 def test_a_lower_bound_eta_never_says_not_worth_it():
-    # While no prompt has finished, the ETA counts only the tokens generated so far: it can show that a
-    # restart pays, never that it does not (a loaded machine's first window saw "~2 s saved of 4 s left").
+    # While no prompt has finished, the ETA counts only the tokens generated so far: a lower bound of the
+    # work left, so it can show that a restart pays, never that it does not (the first window of a slow
+    # start would otherwise read as a run almost done).
     pilot = Autopilot(Settings(windows=2, restart_cost_s=10_000), LadderConfig())
     acts = []
     for i in range(3):
@@ -387,8 +388,8 @@ def test_a_canary_that_gains_is_rolled_out_a_few_at_a_time_then_verified_on_stea
 
 
 def test_the_verdict_compares_with_the_peers_steady_rate_not_a_ramp_up_decision_window():
-    # Start-up facts decide after one window. On a loaded machine that window held the fleet's ramp-up
-    # (half the steady rate here) and the verdict read x3.79 for a move worth x1.9 (CI, seed scenario).
+    # Start-up facts decide after one window, which may hold the fleet's ramp-up (half the steady rate
+    # here): a verdict against that window would read double the gain the move is worth.
     pilot = Autopilot(Settings(windows=1, restart_cost_s=1, verify_windows=2, rollout_batch=3),
                       LadderConfig(forbid=frozenset({"no_radix"})))
     (decision,) = emitted(drive(pilot, [stalled(0, facts=SEED, tps=280.0)]), "decision")

@@ -1,6 +1,9 @@
 """What a server says about itself at start-up, for the supervisor: pool sizes, the effective cap and
 what caused it (`ServerFacts`). Read once per start from `/server_info` and the start-up log, both of
-which a real SGLang 0.5.23 gives (reference: `../shared/reference/sglang.md` §2, §5):
+which a real SGLang 0.5.23 gives (upstream: `/server_info` in python/sglang/srt/entrypoints/http_server.py,
+its `internal_states` from python/sglang/srt/managers/scheduler.py; the log lines from
+python/sglang/srt/model_executor/model_runner.py, python/sglang/srt/mem_cache/memory_pool.py and the
+scheduler; the mamba cap from python/sglang/srt/mem_cache/allocation_sizing.py):
 
     /server_info: max_running_requests (REQUESTED), max_total_num_tokens, mem_fraction_static,
                   mamba_radix_cache_strategy, disable_overlap_schedule, disable_radix_cache, version,

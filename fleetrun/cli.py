@@ -76,7 +76,7 @@ from .launch import (
 from .lease import LaunchLease, RunActive
 from .redisproc import PrivateRedisBusy, PrivateRedisError
 
-__all__ = ["UsageError", "main", "parse_gpus"]
+__all__ = ["UsageError", "build_parser", "main", "parse_gpus"]
 
 EXIT_OK, EXIT_ATTENTION, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, EXIT_USAGE, 130
 EXIT_ACTIVE = 3  # another `batchfleet run` of the run is active
@@ -90,7 +90,7 @@ def run_name_for(path: Path) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", stem)[:100]
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="batchfleet", description="Run a JSONL file of prompts on this host's GPUs, "
                "or serve the OpenAI Batch API on a fleet.")
     add_common(p, redis_help=REDIS_HELP)
@@ -400,7 +400,7 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.cmd == "serve":
         return serve.main(args)
     stop, force = [False], [False]

@@ -57,10 +57,10 @@ from .runs import format_runs, list_runs
 from .status import format_status, gather_status
 from .store import StoreError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="producer", description=__doc__.split("\n\n")[0].replace("\n", " "))
     add_common(p)
     p.add_argument("--state-dir", type=Path, metavar="DIR",
@@ -341,7 +341,7 @@ def _no_such_run(config: Config, r: redis.Redis | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     config: Config | None = None
     r: redis.Redis | None = None
     scrub = Scrubber([])

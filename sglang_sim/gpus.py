@@ -53,6 +53,8 @@ def gpu_index() -> int:
     return int(first) if first.isdigit() else 0
 
 
+# The simulator's own pid check, not batchfleet.procs.pid_alive: sglang_sim imports nothing of the fleet
+# it stands in for SGLang against (tests/test_layout.py).
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

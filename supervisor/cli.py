@@ -54,7 +54,7 @@ from .fleet import FleetSnapshot, read_fleet
 from .ladder import LadderConfig
 from .view import phase_line, render
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _autopilot_args(p: argparse.ArgumentParser) -> None:
@@ -90,7 +90,7 @@ def _autopilot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-addr", default="127.0.0.1", metavar="A", help="address the metrics server binds to")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="supervisor", description="Watch (and steer) a batchfleet fleet.")
     add_common(parser)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return _main(args)
     except BrokenPipeError:

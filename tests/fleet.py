@@ -20,6 +20,7 @@ import orjson
 import redis
 
 from batchfleet.keys import Keys
+from batchfleet.procs import pid_alive
 from batchfleet.records import Event, WorkerStatus
 
 from .conftest import free_port_block
@@ -185,6 +186,16 @@ class Fleet:
             if self.head is not None and self.head.poll() not in (None, 0, -9):
                 raise AssertionError(f"the head exited {self.head.returncode}:\n{self.head_log()[-3000:]}")
             time.sleep(0.2)
+
+
+def gone(pid: int, timeout_s: float = 10) -> bool:
+    """Wait until the process `pid` is gone (or a zombie: it has exited); False if it outlives `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def write_prompts(path: Path, n: int, *, max_tokens: int = 48, start: int = 0) -> list[dict[str, Any]]:

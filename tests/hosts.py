@@ -44,6 +44,7 @@ import pytest
 import redis
 
 from batchfleet.keys import Keys
+from batchfleet.procs import pid_alive
 from batchfleet.records import Event, RecordError, WorkerState, WorkerStatus
 
 from .conftest import RedisServer
@@ -98,16 +99,6 @@ def require_namespaces() -> None:
         pytest.skip(f"multi-host harness unavailable: {reason}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _ns_pids(ns: str) -> list[int]:
     done = _ip("netns", "pids", ns, check=False)
     return [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
@@ -136,7 +127,7 @@ def sweep_leftovers() -> None:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if not _alive(int(record.get("pid", 0))):
+        if not pid_alive(int(record.get("pid", 0))):
             _remove(record)
             path.unlink(missing_ok=True)
 

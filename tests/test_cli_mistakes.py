@@ -233,9 +233,9 @@ def test_a_closed_stderr_is_still_the_exit_code_and_no_traceback(redis_url: str,
 
 # --- docs/cli.md and --help ------------------------------------------------------------------------------
 def _parsers() -> dict[str, argparse.ArgumentParser]:
-    from fleetrun.cli import _parser as batchfleet_parser
-    from producer.cli import _parser as producer_parser
-    from supervisor.cli import _parser as supervisor_parser
+    from fleetrun.cli import build_parser as batchfleet_parser
+    from producer.cli import build_parser as producer_parser
+    from supervisor.cli import build_parser as supervisor_parser
 
     return {"producer": producer_parser(), "supervisor": supervisor_parser(), "batchfleet": batchfleet_parser()}
 

@@ -150,9 +150,9 @@ def test_ctrl_c_of_enqueue_says_what_is_stored_and_that_rerunning_resumes(redis_
 
 # --- shared options, runs, status ------------------------------------------------------------------------
 def test_run_and_redis_url_before_or_after_the_subcommand(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fleetrun.cli import _parser as batchfleet_parser
-    from producer.cli import _parser as producer_parser
-    from supervisor.cli import _parser as supervisor_parser
+    from fleetrun.cli import build_parser as batchfleet_parser
+    from producer.cli import build_parser as producer_parser
+    from supervisor.cli import build_parser as supervisor_parser
 
     for parser, cmd in ((producer_parser(), ["status"]), (supervisor_parser(), ["status"]),
                         (batchfleet_parser(), ["run", "f.jsonl", "-o", "o.jsonl"])):

@@ -20,7 +20,7 @@ from batchfleet.keys import Keys
 from batchfleet.records import WorkerState
 from bench.bench_seed import SupervisorProc, exactly_once
 
-from .fleet import Fleet, expected_text, text_of, write_prompts
+from .fleet import Fleet, expected_text, gone, text_of, write_prompts
 from .test_supervisor_scenarios import FAST, TINY, start
 
 pytestmark = pytest.mark.slow
@@ -43,17 +43,6 @@ def export_exact(fleet: Fleet, rows: list[dict], *, failed: frozenset[str] = fro
         else:
             assert line["error"] is None and text_of(line["response"]["body"]) == expected_text(row), line
     return by_id
-
-
-def gone(pid: int, timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_every_worker_kill_9_at_once(tmp_path: Path, fleets) -> None:

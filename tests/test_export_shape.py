@@ -17,7 +17,7 @@ from batchfleet.records import Prompt, Result
 from worker.ledger import Ledger, parse_job_data
 
 from .test_producer_helpers import RUN, Cli, make_cli, simple, write_jsonl
-from .test_records import SERVER_400, _openai_shaped
+from .test_records import SERVER_400, openai_shaped
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_errors_file_takes_http_errors_and_unanswered_requests_with_openais_shap
     good = [orjson.loads(x) for x in out.read_bytes().splitlines()]
     bad = [orjson.loads(x) for x in errors.read_bytes().splitlines()]
     for line in good + bad:
-        _openai_shaped(line)
+        openai_shaped(line)
     assert [x["custom_id"] for x in good] == ["p0", "p3"] and all(x["response"]["body"] == ok for x in good)
     assert [x["custom_id"] for x in bad] == ["p1", "p2"]
     assert bad[0]["error"] is None and bad[0]["response"]["status_code"] == 400

@@ -76,7 +76,7 @@ def test_a_valid_spec_round_trips():
     assert ServerSpec.from_json(spec.to_json()) == spec
 
 
-def _openai_shaped(line: dict) -> None:
+def openai_shaped(line: dict) -> None:
     """OpenAI's BatchRequestOutput, field by field: id, custom_id (strings); response null or
     {status_code: int, request_id: str, body: object}; error null or {code: str, message: str}; exactly
     one of response and error set."""
@@ -119,7 +119,7 @@ SERVER_400 = {"object": "error", "message": "The input (9000 tokens) is longer t
 def test_an_http_error_is_exported_as_its_answer_and_only_no_answer_as_an_error(result, response, error):
     line = result.batch_output_line()
     assert line == {"id": "batch_req_j", "custom_id": "c", "response": response, "error": error}
-    _openai_shaped(orjson.loads(orjson.dumps(line)))
+    openai_shaped(orjson.loads(orjson.dumps(line)))
 
 
 def test_a_worker_hibernating_in_a_newer_version_decodes_with_its_capacity_kept():

@@ -21,7 +21,7 @@ import pytest
 from openai.types import Batch
 
 from .conftest import free_port_block
-from .fleet import ROOT, text_of
+from .fleet import ROOT, gone, text_of
 from .serveproc import Serve, batch_lines, expected, serve_env, write_lines
 
 pytestmark = pytest.mark.slow
@@ -190,10 +190,7 @@ def test_a_kill_9_of_serve_mid_batch_and_a_restart_complete_the_batch_exactly_on
     servers = [r["pid"] for r in records(tmp_path)]
     sv.kill()
     # its workers died with it, and their servers with them: nothing holds the GPUs for the restart
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in servers):
-        assert time.monotonic() < deadline, f"servers {servers} outlived the serve killed with -9"
-        time.sleep(0.2)
+    assert all(gone(pid, 30) for pid in servers), f"servers {servers} outlived the serve killed with -9"
     sv.start()
     done = wait_batch(client, b.id, {"completed"})
     assert done.request_counts is not None and (done.request_counts.total, done.request_counts.completed) == (120, 120)
@@ -202,14 +199,6 @@ def test_a_kill_9_of_serve_mid_batch_and_a_restart_complete_the_batch_exactly_on
     assert re.search(r"batch \S+: 120 request\(s\) validated", sv.log_path.with_name(
         sv.log_path.name.replace("-2.log", "-1.log")).read_text())
     assert "validated" not in sv.log()  # the restarted serve found the batch in the store: not validated again
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
 @pytest.mark.skipif(not (shutil.which("curl") and shutil.which("jq")), reason="the README's flow needs curl and jq "

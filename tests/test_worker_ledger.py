@@ -270,9 +270,9 @@ def test_a_flush_that_fails_keeps_every_outcome_for_the_next(r, redis_url):
         succeed(ledger, claims)
         with pytest.raises(ConnectionError):
             await ledger.flush()
-        kept = len(ledger._pending)
+        kept = ledger.unwritten
         await ledger.flush()
-        return kept, len(ledger._pending)
+        return kept, ledger.unwritten
 
     kept, left = run(go())
     assert (kept, left) == (3, 0)

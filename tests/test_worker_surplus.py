@@ -53,7 +53,7 @@ def test_the_claim_loop_gathers_until_half_the_surplus_is_used_or_the_time_is_up
         await asyncio.wait_for(gatherer, 1)  # 3 free: at once, not after 5 s
         t0 = loop.time()
         await slots.wait_free(5, 0.05)  # 3 free, 5 asked: the time runs out
-        assert 0.04 <= loop.time() - t0 < 1.0 and slots.free == 3 and not slots._waiters
+        assert 0.04 <= loop.time() - t0 < 1.0 and slots.free == 3 and slots.waiting == 0
 
     asyncio.run(go())
 

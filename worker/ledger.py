@@ -182,6 +182,11 @@ class Ledger:
         return claims
 
     # --- finish (batched) --------------------------------------------------------------------------
+    @property
+    def unwritten(self) -> int:
+        """Outcomes queued by `finish` or `refuse` and not yet written to Redis."""
+        return len(self._pending)
+
     def finish(self, claim: Claim, result: Result, exc_string: str = "") -> None:
         """Queue a final outcome; the flusher writes it with others in one script call."""
         self._pending.append(_Finish.of(claim, b"s" if result.ok else b"f", result.to_json(), exc_string,

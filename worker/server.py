@@ -30,7 +30,7 @@ from batchfleet.redact import Scrubber, private_dir, private_file, redact_argv
 from .facts import read_facts
 from .flags import ServerCLI, build_argv, read_server_cli
 
-__all__ = ["SGLangServer"]
+__all__ = ["SGLangServer", "write_pid_record"]
 
 log = logging.getLogger("batchfleet.worker.server")
 
@@ -90,7 +90,7 @@ class SGLangServer:
             logf.close()
             raise
         self._pump = _LogPump(self.proc, logf, self._scrub, name=f"gpu{self.gpu}-server-log")
-        _write_pid_record(self.pid_path, self.proc.pid)
+        write_pid_record(self.pid_path, self.proc.pid)
         log.info("gpu%d: started server pid %d: %s", self.gpu, self.proc.pid, shown)
         await self._wait_ready()
         self.capacity = await self._discover_capacity()
@@ -262,7 +262,7 @@ def _process_identity(pid: int) -> dict[str, object] | None:
     return {"start_ticks": int(fields[19]), "boot_id": boot_id, "cmdline": cmdline}
 
 
-def _write_pid_record(path: Path, pid: int) -> None:
+def write_pid_record(path: Path, pid: int) -> None:
     """The pid and identity of a server, its command line redacted (the file must not hold the API key)."""
     record = {"pid": pid, **(_process_identity(pid) or {})}
     tmp = path.with_suffix(".tmp")

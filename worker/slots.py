@@ -26,6 +26,11 @@ class Slots:
         return self._capacity
 
     @property
+    def waiting(self) -> int:
+        """Callers waiting for free slots."""
+        return len(self._waiters)
+
+    @property
     def free(self) -> int:
         return max(0, self._capacity - self.in_use)
 

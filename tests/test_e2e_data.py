@@ -97,7 +97,8 @@ def test_the_head_feeds_a_window_and_a_restarted_head_resumes(tmp_path: Path, re
     q = fleet.queue(0)
     fleet.wait_for(lambda: fleet.r.llen(Keys.queue(q)) == 0 and fleet.r.zcard(Keys.started(q)) == 0, 60,
                    "the worker to drain the window")
-    time.sleep(2)  # the worker idles: nothing else feeds it
+    drained_at = time.time()  # the worker idles, nothing feeding it, over several of its status beats
+    fleet.wait_for(lambda: all(s.ts > drained_at + 2 for s in fleet.statuses()), 60, "the idle worker's later beats")
     st = status(fleet)
     assert st["totals"]["queued"] == 0 and st["totals"]["in_flight"] == 0
     assert st["totals"]["waiting"] >= 100 and fleet.finished() < 400
@@ -156,7 +157,9 @@ def test_the_head_rides_out_a_redis_outage(tmp_path: Path, private_redis, fleets
     head = fleet.start_head()
     fleet.wait_for(lambda: fleet.finished() >= 40, 120, "some progress")
     server.stop()
-    time.sleep(8)
+    stopped = time.monotonic()
+    fleet.wait_for(lambda: "head: lost Redis" in fleet.head_log(), 30, "the head to notice Redis gone")
+    time.sleep(max(0.0, 8 - (time.monotonic() - stopped)))  # the outage itself: 8 s
     assert head.poll() is None
     server.start()
     fleet.r = redis.Redis.from_url(server.url)

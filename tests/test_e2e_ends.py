@@ -74,9 +74,12 @@ def test_cancel_mid_run_drops_queued_and_in_flight_prompts(fleets: Callable[...,
     fleet.wait_for(lambda: "was cancelled" in fleet.head_log(), 60, "the head to end the run")
     fleet.wait_for(lambda: all("was cancelled (producer cancel)" in fleet.worker_log(g) for g in range(2)), 30,
                    "both workers to say the run was cancelled")
-    # ... and not one request more reached a simulator over six head passes and three lease beats more:
-    # the cancelled prompts never ran after the cancel.
-    time.sleep(3)
+    # ... and not one request more reached a simulator while every worker lived three more lease beats
+    # (3 s of lease, a beat a second), as its own status records show: the cancelled prompts never ran
+    # after the cancel.
+    said_at = time.time()
+    fleet.wait_for(lambda: len(fleet.statuses()) == 2 and all(s.ts > said_at + 3 for s in fleet.statuses()), 60,
+                   "three more lease beats of every worker")
     assert [observed(fleet, g)["requests_total"] for g in range(2)] == served
     assert all(p.poll() is None for p in fleet.workers.values())  # workers idle, they did not exit
 

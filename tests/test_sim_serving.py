@@ -164,8 +164,14 @@ def test_peak_running_is_effective_capacity(flags: list[str], cap: int) -> None:
                     obs = (await c.get(sim.url + "/sim/observed")).json()
                     if obs["running"] + obs["queued"] == n:
                         break
-                await asyncio.sleep(0.5)  # scheduler ticks that would admit past the cap, if it did
-                during = (await c.get(sim.url + "/sim/observed")).json()
+                # Ten decode steps (each a scheduler tick that would admit past the cap, if it did), counted
+                # by the tokens they generate: at least `cap` a step.
+                tokens = obs["generation_tokens_total"]
+                for _ in range(600):
+                    during = (await c.get(sim.url + "/sim/observed")).json()
+                    if during["generation_tokens_total"] >= tokens + 10 * cap:
+                        break
+                    await asyncio.sleep(0.05)
                 ab = (await c.post(sim.url + "/abort_request", json={"rid": "flood-", "abort_all": False})).json()
                 return list(await asyncio.gather(*sent)), during, ab
 

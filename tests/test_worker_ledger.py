@@ -122,11 +122,18 @@ def test_lapsed_lease_is_recovered_and_the_late_finish_is_dropped(r, redis_url):
 def test_renewed_leases_are_not_recovered(r, redis_url):
     enqueue(r, "gpu0", 1)
 
+    def redis_now() -> float:
+        seconds, micros = r.time()
+        return seconds + micros / 1e6
+
     async def go():
-        ledger = await _ledger(redis_url, lease_ttl_s=0.4)
+        ledger = await _ledger(redis_url, lease_ttl_s=0.6)
+        claimed_at = redis_now()
         await ledger.claim(1, ["gpu0"])
-        for _ in range(4):
-            await asyncio.sleep(0.15)
+        # Renewed every 0.1 s until Redis's clock is three lease times past the claim: unrenewed, the
+        # lease would have lapsed by then.
+        while redis_now() < claimed_at + 3 * 0.6:
+            await asyncio.sleep(0.1)
             await ledger.renew()
         return await ledger.recover_lapsed()
 

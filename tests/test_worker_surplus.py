@@ -103,12 +103,24 @@ def test_a_drain_hands_the_surplus_back_untouched_and_lets_the_running_finish(r,
         d = Dispatcher(ledger, server, config=Config(run="t", surplus=2), worker="w", queues=lambda: ["gpu0"])
         await d.set_capacity(4)
         assert (d.capacity, d.surplus, d.slots.capacity) == (4, 2, 6)
+        # The claim loop asks for a slot when none is free: it has taken all the slots it may (4 more
+        # prompts wait in the queue), and once every prompt it took is inside the server, the server
+        # holds all the loop will send it.
+        parked = asyncio.Event()
+        real_acquire = d.slots.acquire_up_to
+
+        async def acquire_up_to(n: int) -> int:
+            if d.slots.free == 0:
+                parked.set()
+            return await real_acquire(n)
+
+        d.slots.acquire_up_to = acquire_up_to  # type: ignore[method-assign]
         d.resume()
         flusher = asyncio.create_task(ledger.run_flusher())
         claiming = asyncio.create_task(d.run())
-        while server.inside < 6:
+        await parked.wait()
+        while server.inside < d.slots.in_use:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
         assert server.inside == 6 and len(server.waiting) == 2  # never more than capacity + surplus
         queued_in_server = list(server.waiting)
         draining = asyncio.create_task(d.drain(30))

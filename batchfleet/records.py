@@ -50,6 +50,7 @@ __all__ = [
     "WorkerStatus",
     "decode",
     "job_id_for",
+    "prompt_wire",
 ]
 
 log = logging.getLogger("batchfleet.records")
@@ -281,6 +282,21 @@ def job_id_for(run: str, cid: str) -> str:
     return "bf-" + hashlib.blake2b(f"{run}\0{cid}".encode(), digest_size=12).hexdigest()
 
 
+def prompt_wire(cid: str, seq: int, url: str, body: Any, *, src: str = "", fp: str = "",
+                run: str = "") -> dict[str, Any]:
+    """A prompt record as it travels in a job, `Prompt.from_dict` reads it back. `body` may be an
+    `orjson.Fragment` (the head splices in the body as the store holds it). Empty fields are left out,
+    and `run` comes last: every job of a run ends alike (`producer.ends.run_jobs` finds them so)."""
+    d: dict[str, Any] = {"cid": cid, "seq": seq, "url": url, "body": body}
+    if src:
+        d["src"] = src
+    if fp:
+        d["fp"] = fp
+    if run:
+        d["run"] = run
+    return d
+
+
 @dataclass(frozen=True, slots=True)
 class Prompt:
     cid: str  # the user's custom_id
@@ -292,12 +308,7 @@ class Prompt:
     fp: str = ""  # the request's fingerprint (hex, from the store): its Result echoes it, see Result.fp
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"cid": self.cid, "seq": self.seq, "url": self.url, "body": self.body, "src": self.src}
-        if self.fp:
-            d["fp"] = self.fp
-        if self.run:
-            d["run"] = self.run
-        return d
+        return prompt_wire(self.cid, self.seq, self.url, self.body, src=self.src, fp=self.fp, run=self.run)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Prompt:

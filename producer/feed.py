@@ -32,7 +32,7 @@ from batchfleet.config import Config
 from batchfleet.fleetview import read_fleet_view
 from batchfleet.jobs import GENERATE
 from batchfleet.keys import RQ_QUEUES, Keys
-from batchfleet.records import job_id_for
+from batchfleet.records import job_id_for, prompt_wire
 
 from .scripts import FEED
 from .store import State, Store
@@ -145,12 +145,7 @@ class Feeder:
         for g in groups.values():
             for seq, cid, url, body, fp in g:
                 jobs.append(Keys.job(job_id_for(run, cid)))
-                # a records.Prompt as a dict (`Prompt.to_dict`), the body spliced in as stored; `run`
-                # last: every job of a run ends alike (`ends.run_jobs` finds them so)
-                prompt = {"cid": cid, "seq": seq, "url": url, "body": orjson.Fragment(body)}
-                if fp:
-                    prompt["fp"] = fp
-                prompt["run"] = run
+                prompt = prompt_wire(cid, seq, url, orjson.Fragment(body), fp=fp, run=run)
                 data.append(orjson.dumps([GENERATE, None, [prompt], {}]))
         added, present, *per_queue = FEED.call(
             self.r, keys={"done": k.done, "stats": k.stats, "queue_index": RQ_QUEUES,

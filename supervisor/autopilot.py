@@ -39,6 +39,7 @@ from typing import Any
 
 import orjson
 
+from batchfleet.backoff import backoff_s
 from batchfleet.keys import Keys
 from batchfleet.records import Event, EventKind, RecordError, ServerSpec, decode
 
@@ -521,7 +522,7 @@ class Autopilot:
         if failed:
             t["tries"] = int(t["tries"]) + 1
             t["bar"] = self.s.margin + self.s.margin_step * t["tries"]
-            t["until"] = now + self.s.retry_after_s * 2 ** (t["tries"] - 1)
+            t["until"] = now + backoff_s(int(t["tries"]), base_s=self.s.retry_after_s)
             t["why"] = "did not gain" if "did not gain" in why else why.split(":")[0][:80]
         else:
             t["until"] = now + self.s.retry_after_s

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from typing import Any, Protocol
 
 import redis
 
+from batchfleet.backoff import backoff_s
 from batchfleet.config import Config
 from batchfleet.errors import ErrorCode, JobRefused, PromptError, RecordError, RetryableError
 from batchfleet.http1 import ConnectFailed
@@ -292,8 +292,8 @@ class Dispatcher:
     # --- the claim loop -------------------------------------------------------------------------------
     async def run(self, *, burst: bool = False) -> None:
         """Claim and start jobs until cancelled (or, in burst mode, until the queues are empty)."""
-        idle_s = 0.02
-        redis_wait_s = 0.5
+        dry = 0  # claims in a row that found the queues dry
+        redis_failures = 0  # claims in a row that Redis failed
         while True:
             if self._mode and not await self._until_claimable(burst):
                 return  # nothing of a cancelled run will come
@@ -325,10 +325,10 @@ class Dispatcher:
                 # Redis restarting or unreachable: in-flight prompts keep running; claim again later.
                 self.slots.release(took)
                 LINK.lost("claiming work", exc)
-                await asyncio.sleep(redis_wait_s)
-                redis_wait_s = min(redis_wait_s * 2, 10.0)
+                redis_failures += 1
+                await asyncio.sleep(backoff_s(redis_failures, base_s=0.5, max_s=10.0))
                 continue
-            redis_wait_s = 0.5
+            redis_failures = 0
             LINK.ok()  # says "Redis is back" once after an outage
             if claims and self._mode & Mode.CANCELLED:  # the run was cancelled while the claim was on its way
                 self.slots.release(took)
@@ -340,14 +340,14 @@ class Dispatcher:
             for claim in claims:
                 self._start(claim)
             if claims:
-                if freed_at is not None and idle_s == 0.02 and len(claims) == took:
+                if freed_at is not None and dry == 0 and len(claims) == took:
                     self.turnover.refilled(time.monotonic() - freed_at)  # a slot freed -> refilled
-                idle_s = 0.02
+                dry = 0
                 continue
             if burst and not self.tasks:
                 return
-            await asyncio.sleep(idle_s)  # queues are dry: poll gently
-            idle_s = min(idle_s * 2, 0.5)
+            dry += 1
+            await asyncio.sleep(backoff_s(dry, base_s=0.02, max_s=0.5))  # queues are dry: poll gently
 
     async def _until_claimable(self, burst: bool) -> bool:
         """Wait until the mode is RUNNING. False in burst mode when the run is cancelled and nothing is
@@ -525,8 +525,7 @@ class Dispatcher:
         return prompt
 
     def _backoff_s(self, attempt: int) -> float:
-        base = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (attempt - 1))
-        return base * random.uniform(0.5, 1.0)  # jitter: a fleet must not retry in lockstep
+        return backoff_s(attempt, base_s=self.config.backoff_base_s, max_s=self.config.backoff_max_s, jitter=True)
 
     def _succeed(self, flight: Flight, body: dict[str, Any]) -> None:
         assert flight.prompt is not None

@@ -22,6 +22,7 @@ from enum import StrEnum
 import redis
 
 from batchfleet import sglang
+from batchfleet.backoff import backoff_s
 from batchfleet.config import Config
 from batchfleet.errors import ConfigError, JobRefused, ServerDied, ServerStartError
 from batchfleet.records import ENDPOINTS, EventKind, Prompt, WorkerState
@@ -127,7 +128,7 @@ class ServerKeeper:
         return ServerPhase.SERVE
 
     async def _backoff(self) -> ServerPhase:
-        await asyncio.sleep(min(300.0, 5.0 * 2 ** (self._failures - 1)))
+        await asyncio.sleep(backoff_s(self._failures, base_s=5.0, max_s=300.0))
         return ServerPhase.START
 
     async def _serve(self) -> ServerPhase:

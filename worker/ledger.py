@@ -44,6 +44,7 @@ import redis
 import redis.asyncio as aioredis
 
 from batchfleet import keys
+from batchfleet.backoff import backoff_s
 from batchfleet.keys import Keys
 from batchfleet.prompts import MAX_BODY_BYTES
 from batchfleet.records import Result
@@ -342,20 +343,21 @@ class Ledger:
         script_args = {"session": self.session, "failure_ttl": keys.FAILURE_TTL_S, "strikes_ttl": keys.STRIKES_TTL_S,
                        "max_strikes": MAX_STRIKES, "entries": entries}
         deadline = time.monotonic() + (self.lease_ttl_s if retry_for_s is None else retry_for_s)
-        wait_s = 0.25
+        failures = 0
         try:
             while True:
                 try:
                     quarantined, struck, handed, stale = await DEATH.acall(self.r, keys=script_keys, args=script_args)
                     break
                 except (redis.RedisError, OSError) as exc:
+                    failures += 1
+                    wait_s = backoff_s(failures, base_s=0.25, max_s=2.0)
                     if time.monotonic() + wait_s > deadline:
                         log.error("could not record the server death in Redis (%s): %d prompt(s) forgotten; "
                                   "their leases lapse and they run again", exc, len(claims))
                         raise
                     log.warning("recording the server death in Redis failed (%s); retrying", exc)
                     await asyncio.sleep(wait_s)
-                    wait_s = min(wait_s * 2, 2.0)
         finally:
             for c in claims:
                 self.held.pop(c.jid, None)

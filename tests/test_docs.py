@@ -4,8 +4,10 @@ with the code they describe."""
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 from pathlib import Path
 
+from batchfleet.config import ENV_PREFIX, Config
 from supervisor import classify
 from supervisor.classify import CLASSES
 
@@ -75,3 +77,11 @@ def test_the_readme_names_the_procfile_s_supervisor_command_and_lists_no_server_
     assert "supervisor run" not in readme  # the Procfile runs `supervisor watch`
     assert not [c for c in CLASSES if c not in ("down", "idle", "hung") and str(c) in readme], \
         "README lists server classes: link docs/supervisor.md instead"
+
+
+def test_docs_config_md_lists_every_setting_config_reads_and_no_other() -> None:
+    rows = re.findall(r"^\| (.+?) \|", (ROOT / "docs" / "config.md").read_text(), flags=re.M)
+    documented = {name for row in rows for name in re.findall(r"`(BATCHFLEET_[A-Z0-9_]+)`", row)}
+    settings = {ENV_PREFIX + f.name.upper() for f in fields(Config)}
+    assert sorted(settings - documented) == [], "settings docs/config.md does not list"
+    assert sorted(documented - settings) == [], "docs/config.md lists what Config does not read"

@@ -24,20 +24,24 @@ from .keys import FINISHED_TTL_S, valid_queue_name
 from .records import STRATEGIES
 from .redact import MASK, redact_argv, redact_url
 
-__all__ = ["DEFAULT_QUEUE", "DEFAULT_QUEUE_PATTERN", "EVENT_LOOPS", "STRATEGIES", "Config", "expand_queues",
-           "gpu_index_for_queue", "queue_host", "redis_url_problem"]
+__all__ = ["DEFAULT_QUEUE", "DEFAULT_QUEUE_PATTERN", "EVENT_LOOPS", "GPU_LOCAL_PART", "STRATEGIES", "Config",
+           "expand_queues", "gpu_group_for_queue", "gpu_index_for_queue", "group_label", "queue_host",
+           "redis_url_problem"]
 
 ENV_PREFIX = "BATCHFLEET_"
 DEFAULT_QUEUE = "gpu0"  # where prompts go when no queue is given and no worker has reported
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # Config.event_loop
 # Queue names (see docs/multihost.md): unique fleet-wide, `[<run>.][<host>.]gpuN`. The last
-# dot-separated part is the local part and names the GPU on the worker's own host: `hostb.gpu3`
-# runs on local GPU 3 at port base + 3, exactly like `gpu3` on a single host.
+# dot-separated part is the local part and names the GPU, or the group of GPUs of one server, on the
+# worker's own host: `hostb.gpu3` runs on local GPU 3 at port base + 3, exactly like `gpu3` on a single
+# host; `hostb.gpu0-3` on GPUs 0, 1, 2 and 3 (one tensor-parallel server) at port base + 0; `gpu0_2`
+# on GPUs 0 and 2 (ranges and single GPUs joined by `_`).
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
-LOCAL_PART = re.compile(r"gpu(\d+)")
+GPU_LOCAL_PART = r"gpu\d+(?:-\d+)?(?:_\d+(?:-\d+)?)*"
+LOCAL_PART = re.compile(GPU_LOCAL_PART)
 # Every GPU queue, host-qualified or not: what a worker may take from when its own queue is dry.
-DEFAULT_QUEUE_PATTERN = r"(?:[A-Za-z0-9_-]+\.)*gpu\d+"
+DEFAULT_QUEUE_PATTERN = r"(?:[A-Za-z0-9_-]+\.)*" + GPU_LOCAL_PART
 _RANGE = re.compile(r"\[(\d+)-(\d+)\]")
 
 
@@ -227,11 +231,41 @@ def redis_url_problem(url: str) -> str | None:
     return None
 
 
+def gpu_group_for_queue(queue: str) -> tuple[int, ...] | None:
+    """The local GPUs a queue names (one server's): its last dot-separated part. `hostb.gpu3` -> (3,),
+    `hostb.gpu0-3` -> (0, 1, 2, 3), `gpu0_2` -> (0, 2), `gpu0-1_4-5` -> (0, 1, 4, 5); None when the last
+    part names no GPU (`cpu`, `gpu3.hostb`), a range runs backwards (`gpu3-1`) or a GPU comes twice."""
+    local = queue.rpartition(".")[2]
+    if not LOCAL_PART.fullmatch(local):
+        return None
+    out: list[int] = []
+    for item in local[3:].split("_"):
+        lo, _, hi = item.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if first > last or last - first >= 1024:
+            return None
+        out.extend(range(first, last + 1))
+    return tuple(out) if len(set(out)) == len(out) else None
+
+
 def gpu_index_for_queue(queue: str) -> int | None:
-    """The local GPU a queue names: its last dot-separated part, `gpuN`. `gpu3` -> 3, `hostb.gpu3` -> 3,
-    `jobA.hostb.gpu12` -> 12; None when the last part is not `gpuN` (`cpu`, `gpu3.hostb`)."""
-    m = LOCAL_PART.fullmatch(queue.rpartition(".")[2])
-    return int(m.group(1)) if m else None
+    """The first local GPU a queue names: `gpu3` -> 3, `hostb.gpu3` -> 3, `jobA.hostb.gpu12` -> 12,
+    `hostb.gpu4-7` -> 4 (its server's port is base + 4); None when the last part names no GPU."""
+    group = gpu_group_for_queue(queue)
+    return group[0] if group else None
+
+
+def group_label(gpus: tuple[int, ...] | list[int]) -> str:
+    """The local part of a queue for these GPUs: `gpu3`, `gpu0-3` (a run), `gpu0_2`, `gpu0-1_4-5`."""
+    parts: list[str] = []
+    i = 0
+    while i < len(gpus):
+        j = i
+        while j + 1 < len(gpus) and gpus[j + 1] == gpus[j] + 1:
+            j += 1
+        parts.append(str(gpus[i]) if i == j else f"{gpus[i]}-{gpus[j]}")
+        i = j + 1
+    return "gpu" + "_".join(parts)
 
 
 def queue_host(queue: str) -> str:

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--errors", type=Path, metavar="FILE", help="write failed prompts here instead of into OUT")
     r.add_argument("--gpus", metavar="GPUS",
                    help="GPU indices, e.g. 0-7 or 0,2,5 (default: every GPU nvidia-smi lists)")
+    r.add_argument("--tp", type=positive(int), default=1, metavar="N",
+                   help="GPUs per server, tensor parallel: --gpus 0-7 --tp 4 runs 2 servers, on GPUs 0-3 and 4-7 "
+                        "(default: 1)")
     r.add_argument("--dry-run", action="store_true",
                    help="the supervisor only advises (`supervisor watch --dry-run`): it restarts nothing")
     r.add_argument("--state-dir", type=Path, metavar="DIR",
@@ -255,6 +258,7 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
     gpus = parse_gpus(args.gpus) if args.gpus else detect_gpus()
     if not gpus:
         raise UsageError("no GPU found (nvidia-smi lists none): give --gpus, e.g. --gpus 0-7")
+    args.groups = gpu_groups(gpus, args.tp)  # a --tp that does not fit: a usage error now, before Redis
     run = args.run or os.environ.get("BATCHFLEET_RUN") or run_name_for(args.file)
     config = Config.from_env(run=run, redis_url=args.redis_url, state_dir=args.state_dir)
     if not config.model_path:
@@ -285,7 +289,7 @@ def _serve(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys
 def _enqueue_and_work(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, screen: Screen,
                       stop: list[bool], force: list[bool], r: redis.Redis) -> int:
     run = config.run
-    queues = queues_of(run, gpu_groups(gpus))
+    queues = queues_of(run, args.groups)
     done = api.enqueue(config, r, args.file, queues=queues, explicit=True, model=args.model or config.model_path,
                        rejects_path=args.rejects or config.state_dir / f"{run}.rejects.jsonl", progress=True,
                        rerun_changed=args.rerun_changed)
@@ -340,7 +344,7 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
     procs = Procs(logs)
     events = Events(r, keys)
     screen.rate = Throughput(gather_progress(r, keys, store)["completion_tokens"])
-    started = start_fleet(procs, config, gpu_groups(gpus), supervisor=not args.no_supervisor, dry_run=args.dry_run)
+    started = start_fleet(procs, config, args.groups, supervisor=not args.no_supervisor, dry_run=args.dry_run)
     screen.say(f"{started}; logs in {logs}")
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     said_down: set[tuple[str, str]] = set()
@@ -365,8 +369,8 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
                 break
             dead = [g for g, w in procs.workers.items() if w.poll() is not None]
             if len(dead) == len(procs.workers):
-                tails = "\n".join(f"--- worker-gpu{g}.log (exit {procs.workers[g].returncode})\n"
-                                  f"{procs.tail(f'worker-gpu{g}')}" for g in dead)
+                tails = "\n".join(f"--- worker-{g}.log (exit {procs.workers[g].returncode})\n"
+                                  f"{procs.tail(f'worker-{g}')}" for g in dead)
                 screen.say(f"every worker exited; see {logs}\n{tails}")
                 code = EXIT_ERROR
                 break

@@ -5,9 +5,11 @@ call.
   BATCHFLEET_LOG_DIR/<run>), made and checked before anything starts.
 - `fleet_redis`: the Redis at the given URL when it answers, else a private redis-server with an
   append-only file in the state dir (`fleetrun.redisproc`), stopped on the way out.
-- `gpu_groups`: the GPUs given (`--gpus`), one server each; `--tp` other than 1 (GPU groups) is
-  refused until the launcher starts grouped servers.
-- `start_fleet`: one `rq worker <run>.gpuN` per GPU group (RQ_WORKER_CLASS=worker.GPUWorker), the head
+- `gpu_groups`: the GPUs given (`--gpus`) in groups of `--tp`, one server each: `--gpus 0-7 --tp 4` is
+  GPUs 0-3 and 4-7; a size that does not divide the GPUs given, or exceeds the GPUs the host has, is a
+  usage error.
+- `start_fleet`: one `rq worker <run>.gpuN` (`<run>.gpu0-3` for a group) per GPU group
+  (RQ_WORKER_CLASS=worker.GPUWorker), the head
   (`producer head`) and the autopilot (`supervisor watch`), each with its log in the run's log dir
   (one file per process; each launch of the run begins with a header line), the servers' logs and pid
   files there too (BATCHFLEET_LOG_DIR).
@@ -35,7 +37,7 @@ from pathlib import Path
 import redis
 
 from batchfleet.cliopts import UsageError
-from batchfleet.config import Config
+from batchfleet.config import GPU_LOCAL_PART, Config, group_label
 from batchfleet.connection import redacted
 from batchfleet.keys import Keys
 from batchfleet.records import Event
@@ -77,12 +79,20 @@ def detect_gpus() -> tuple[int, ...]:
     return tuple(int(x) for x in (line.strip() for line in text.splitlines()) if x.isdigit())
 
 
-def gpu_groups(gpus: tuple[int, ...], tp: int = 1) -> list[tuple[int, ...]]:
-    """The servers to start: one per group of `tp` GPUs (tensor parallel). Only `tp` 1 for now."""
-    if tp != 1:
-        raise UsageError(f"--tp {tp}: servers on groups of GPUs are not started by this version yet; give --tp 1 "
-                          "(or none), or start the workers yourself with BATCHFLEET_SERVER_ARGS='--tp-size N'")
-    return [(g,) for g in gpus]
+def gpu_groups(gpus: tuple[int, ...], tp: int = 1, *, host_gpus: int | None = None) -> list[tuple[int, ...]]:
+    """The servers to start: one per group of `tp` GPUs (tensor parallel), in the order given: `0-7` with
+    `tp` 4 is (0, 1, 2, 3) and (4, 5, 6, 7). `host_gpus`: how many GPUs the host has (default: as many as
+    nvidia-smi lists, unchecked when none answers)."""
+    if tp < 1:
+        raise UsageError(f"--tp {tp}: a server needs at least one GPU")
+    if host_gpus is None:
+        host_gpus = len(detect_gpus()) or None
+    if host_gpus is not None and tp > host_gpus:
+        raise UsageError(f"--tp {tp}: a server on {tp} GPUs, but this host has {host_gpus} (nvidia-smi)")
+    if len(gpus) % tp:
+        raise UsageError(f"--tp {tp} does not divide the {len(gpus)} GPU(s) given ({','.join(map(str, gpus))}): "
+                         f"give a multiple of {tp} GPUs, or another --tp")
+    return [tuple(gpus[i:i + tp]) for i in range(0, len(gpus), tp)]
 
 
 # --- processes --------------------------------------------------------------------------------------
@@ -102,7 +112,7 @@ def _die_with_parent() -> None:
 class Procs:
     logs: Path
     launcher: str = "batchfleet run"  # who starts them, in each log's header line
-    workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)  # by group label: gpu0, gpu0-3
     others: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -126,7 +136,7 @@ class Procs:
         """SIGTERM the workers (they hand back what they hold and stop their servers), then the head and
         the supervisor; SIGKILL whatever outlives `timeout_s` or when `force[0]` turns true (a second Ctrl-C)."""
         codes: dict[str, int | None] = {}
-        for group in ({f"worker-gpu{g}": p for g, p in self.workers.items()}, self.others):
+        for group in ({f"worker-{g}": p for g, p in self.workers.items()}, self.others):
             for p in group.values():
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
@@ -151,8 +161,8 @@ def child_env(config: Config, url: str, run: str) -> dict[str, str]:
         "BATCHFLEET_RUN": run,
         "BATCHFLEET_STATE_DIR": str(config.state_dir),
         "BATCHFLEET_LOG_DIR": str(config.logs),  # this run's: the servers' logs and pid files too
-        # queues of its own (<run>.gpuN): a Redis shared with other work keeps its queues to itself
-        "BATCHFLEET_QUEUE_PATTERN": re.escape(run) + r"\.gpu\d+",
+        # queues of its own (<run>.gpuN, <run>.gpu0-3): a Redis shared with other work keeps its queues to itself
+        "BATCHFLEET_QUEUE_PATTERN": re.escape(run) + r"\." + GPU_LOCAL_PART,
         "PYTHONUNBUFFERED": "1",
     })
     return env
@@ -164,8 +174,9 @@ def exe(name: str) -> str:
 
 
 def queues_of(run: str, groups: list[tuple[int, ...]]) -> tuple[str, ...]:
-    """The queue of each group's worker: `<run>.gpuN`, N its first GPU."""
-    return tuple(f"{run}.gpu{g[0]}" for g in groups)
+    """The queue of each group's worker: `<run>.gpuN` for one GPU, `<run>.gpu0-3` for a group (the worker
+    reads its GPUs back from the name: `batchfleet.config.gpu_group_for_queue`)."""
+    return tuple(f"{run}.{group_label(g)}" for g in groups)
 
 
 def start_fleet(procs: Procs, config: Config, groups: list[tuple[int, ...]], *, supervisor: bool = True,
@@ -174,12 +185,13 @@ def start_fleet(procs: Procs, config: Config, groups: list[tuple[int, ...]], *, 
     Returns what was started, in words."""
     env = child_env(config, config.redis_url, config.run)
     for group, queue in zip(groups, queues_of(config.run, groups), strict=True):
-        procs.workers[group[0]] = procs.start(f"worker-gpu{group[0]}", [exe("rq"), "worker", queue], env)
+        label = group_label(group)
+        procs.workers[label] = procs.start(f"worker-{label}", [exe("rq"), "worker", queue], env)
     start_head(procs, config, interval_s=head_interval_s)
     if supervisor:
         procs.others["supervisor"] = procs.start(
             "supervisor", [exe("supervisor"), "watch", *(["--dry-run"] if dry_run else [])], env)
-    workers = f"{len(groups)} worker(s) ({config.run}.gpu{groups[0][0]} ...), " if groups else ""
+    workers = f"{len(groups)} worker(s) ({config.run}.{group_label(groups[0])} ...), " if groups else ""
     return (f"started {workers}the head" + (", the supervisor" + (" (advising only)" if dry_run else "")
                                              if supervisor else ""))
 

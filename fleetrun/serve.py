@@ -258,7 +258,7 @@ class _Watch:
             self._once(f"Redis: {type(exc).__name__}: {exc}")
         for g, w in self.procs.workers.items():
             if w.poll() is not None:
-                self._once(f"worker-gpu{g} exited {w.returncode}:\n{self.procs.tail(f'worker-gpu{g}')}")
+                self._once(f"worker-{g} exited {w.returncode}:\n{self.procs.tail(f'worker-{g}')}")
         head = self.procs.others.get("head")
         if head is not None and head.poll() is not None:
             now = time.monotonic()

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import orjson
 import redis
 
+from batchfleet.config import GPU_LOCAL_PART
 from batchfleet.keys import Keys
 from batchfleet.procs import pid_alive
 from batchfleet.records import Event, WorkerStatus
@@ -62,28 +63,29 @@ class Fleet:
             "SGLANG_SIM_GPU_DIR": str(tmp / "gpus"),
             "SGLANG_SIM_TIME_SCALE": "20",
             "SGLANG_SIM_STARTUP_S": "0.2",
-            **({"BATCHFLEET_QUEUE_PATTERN": re.escape(prefix) + r"gpu\d+"} if prefix else {}),
+            **({"BATCHFLEET_QUEUE_PATTERN": re.escape(prefix) + GPU_LOCAL_PART} if prefix else {}),
             **(env or {}),
         }
-        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.workers: dict[int | str, subprocess.Popen[bytes]] = {}  # by GPU, or group label ("gpu0-1")
         self.gpus = gpus
         self.procs: list[subprocess.Popen[bytes]] = []  # every worker ever started, for kill_all
         self.head: subprocess.Popen[bytes] | None = None
 
     # --- processes ---------------------------------------------------------------------------------
-    def record_path(self, gpu: int) -> Path:
-        return self.tmp / f"sim-gpu{gpu}.json"
+    def record_path(self, gpu: int | str) -> Path:
+        return self.tmp / f"sim-{label(gpu)}.json"
 
-    def queue(self, gpu: int) -> str:
-        return f"{self.prefix}gpu{gpu}"
+    def queue(self, gpu: int | str) -> str:
+        """The queue of GPU `gpu` (3: `<prefix>gpu3`) or of a group (`"gpu0-1"`: `<prefix>gpu0-1`)."""
+        return f"{self.prefix}{label(gpu)}"
 
     @property
     def queues(self) -> str:
         """All this fleet's queues, comma-separated (for `producer enqueue --queues`)."""
         return ",".join(self.queue(g) for g in range(self.gpus))
 
-    def start_worker(self, gpu: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = (self.tmp / f"worker-gpu{gpu}.log").open("ab")
+    def start_worker(self, gpu: int | str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = (self.tmp / f"worker-{label(gpu)}.log").open("ab")
         proc = subprocess.Popen(
             [str(BIN / "rq"), "worker", self.queue(gpu), *extra],
             env={**self.env, "SGLANG_SIM_RECORD": str(self.record_path(gpu)), **(env or {})},
@@ -92,8 +94,8 @@ class Fleet:
         self.procs.append(proc)
         return proc
 
-    def worker_log(self, gpu: int) -> str:
-        return (self.tmp / f"worker-gpu{gpu}.log").read_text(errors="replace")
+    def worker_log(self, gpu: int | str) -> str:
+        return (self.tmp / f"worker-{label(gpu)}.log").read_text(errors="replace")
 
     def start_head(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """The head process (`producer head`): feeds the window, collects, repairs a Redis that lost data."""
@@ -118,7 +120,7 @@ class Fleet:
             self.head.kill()
             return None
 
-    def stop_all(self, timeout_s: float = 30) -> dict[int, int | None]:
+    def stop_all(self, timeout_s: float = 30) -> dict[int | str, int | None]:
         """Stop the workers (SIGTERM, then kill after `timeout_s`), then the head; the workers' codes."""
         for p in self.workers.values():
             if p.poll() is None:
@@ -155,7 +157,7 @@ class Fleet:
         return done
 
     # --- observations ------------------------------------------------------------------------------
-    def sim_record(self, gpu: int) -> dict[str, Any]:
+    def sim_record(self, gpu: int | str) -> dict[str, Any]:
         return json.loads(self.record_path(gpu).read_text())
 
     def stats(self) -> dict[str, int]:
@@ -177,15 +179,20 @@ class Fleet:
         deadline = time.monotonic() + timeout_s
         while not cond():
             if time.monotonic() > deadline:
-                logs = "\n".join(f"--- worker gpu{g}\n{self.worker_log(g)[-3000:]}" for g in self.workers)
+                logs = "\n".join(f"--- worker {label(g)}\n{self.worker_log(g)[-3000:]}" for g in self.workers)
                 logs += f"\n--- head\n{self.head_log()[-3000:]}"
                 raise AssertionError(f"timed out waiting for {what}; stats={self.stats()}\n{logs}")
             for gpu, p in self.workers.items():
                 if p.poll() is not None and p.returncode not in (0, -9):
-                    raise AssertionError(f"worker gpu{gpu} exited {p.returncode}:\n{self.worker_log(gpu)[-3000:]}")
+                    raise AssertionError(f"worker {label(gpu)} exited {p.returncode}:\n{self.worker_log(gpu)[-3000:]}")
             if self.head is not None and self.head.poll() not in (None, 0, -9):
                 raise AssertionError(f"the head exited {self.head.returncode}:\n{self.head_log()[-3000:]}")
             time.sleep(0.2)
+
+
+def label(gpu: int | str) -> str:
+    """A worker's GPU as its queue's local part: 3 -> `gpu3`; a group's label stays as given (`gpu0-1`)."""
+    return f"gpu{gpu}" if isinstance(gpu, int) else gpu
 
 
 def gone(pid: int, timeout_s: float = 10) -> bool:

@@ -48,6 +48,7 @@ from batchfleet.procs import pid_alive
 from batchfleet.records import Event, RecordError, WorkerState, WorkerStatus
 
 from .conftest import RedisServer
+from .fleet import label
 
 __all__ = ["BIN", "Host", "Lan", "namespaces_unavailable", "require_namespaces"]
 
@@ -374,14 +375,16 @@ class Host:
         return subprocess.run(self.argv(*cmd), env=self.env if env is None else env, capture_output=True, text=True,
                               cwd=cwd or self.dir, timeout=timeout_s)
 
-    def queue(self, gpu: int) -> str:
-        return f"{self.name}.gpu{gpu}"
+    def queue(self, gpu: int | str) -> str:
+        """`<host>.gpuN` for GPU N, `<host>.gpu0-1` for the group "gpu0-1" (one server on GPUs 0 and 1)."""
+        return f"{self.name}.{label(gpu)}"
 
-    def record_path(self, gpu: int) -> Path:
-        return self.dir / f"sim-gpu{gpu}.json"
+    def record_path(self, gpu: int | str) -> Path:
+        return self.dir / f"sim-{label(gpu)}.json"
 
-    def start_worker(self, gpu: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        """`rq worker <host>.gpuN` as a host's Procfile runs it (our worker class, its own simulator)."""
+    def start_worker(self, gpu: int | str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """`rq worker <host>.gpuN` (or `<host>.gpu0-1`) as a host's Procfile runs it (our worker class, its own
+        simulator)."""
         q = self.queue(gpu)
         proc = self.popen(str(BIN / "rq"), "worker", q, *extra, log=self.dir / f"worker-{q}.log",
                           env={"SGLANG_SIM_RECORD": str(self.record_path(gpu)), **(env or {})})
@@ -392,10 +395,10 @@ class Host:
         path = self.dir / f"worker-{queue}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def sim_record(self, gpu: int) -> dict[str, Any]:
+    def sim_record(self, gpu: int | str) -> dict[str, Any]:
         return json.loads(self.record_path(gpu).read_text())
 
-    def served(self, gpu: int) -> int:
+    def served(self, gpu: int | str) -> int:
         """Generation requests the host's simulator for `gpu` received (0 before it started)."""
         if not self.record_path(gpu).exists():
             return 0

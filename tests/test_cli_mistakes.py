@@ -125,9 +125,17 @@ CASES: dict[str, Case] = {
                                                           "argument --tp: 'two' is not an integer"),
     "batchfleet serve: --tp without --gpus": Case(["batchfleet", "serve", "--tp", "2", "--port", "{port}"], 2,
                                                   "--tp goes with --gpus"),
-    "batchfleet serve: GPU groups the launcher does not start": Case(
-        ["batchfleet", "serve", "--gpus", "0-1", "--tp", "2", "--port", "{port}"], 2,
-        "--tp 2: servers on groups of GPUs are not started"),
+    "batchfleet serve: GPU groups that do not divide the GPUs given": Case(
+        ["batchfleet", "serve", "--gpus", "0-2", "--tp", "2", "--port", "{port}"], 2,
+        "--tp 2 does not divide the 3 GPU(s) given (0,1,2)"),
+    "batchfleet run: GPU groups that do not divide the GPUs given": Case(
+        ["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--gpus", "0-7", "--tp", "3"], 2,
+        "--tp 3 does not divide the 8 GPU(s) given"),
+    "batchfleet run: a GPU group larger than the host has": Case(
+        ["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--gpus", "0-7", "--tp", "8"], 2,
+        "--tp 8: a server on 8 GPUs, but this host has 4 (nvidia-smi)", env={"SGLANG_SIM_NUM_GPUS": "4"}),
+    "batchfleet run: a --tp of 0": Case(["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--tp", "0"], 2,
+                                        "argument --tp: '0': must be more than 0"),
     "batchfleet serve: a batch limit of 0": Case(["batchfleet", "serve", "--max-requests", "0"], 2,
                                                  "argument --max-requests: '0': must be more than 0"),
     "batchfleet serve: a state dir that cannot be created": Case(

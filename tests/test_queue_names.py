@@ -10,10 +10,18 @@ from pathlib import Path
 import pytest
 import redis
 
-from batchfleet.config import DEFAULT_QUEUE_PATTERN, Config, expand_queues, gpu_index_for_queue, queue_host
+from batchfleet.config import (
+    DEFAULT_QUEUE_PATTERN,
+    Config,
+    expand_queues,
+    gpu_group_for_queue,
+    gpu_index_for_queue,
+    group_label,
+    queue_host,
+)
 from batchfleet.connection import SOCKET_TIMEOUT_S
 from batchfleet.errors import ConfigError
-from batchfleet.keys import STATUS_TTL_S, Keys
+from batchfleet.keys import STATUS_TTL_S, Keys, valid_queue_name
 from batchfleet.records import WorkerStatus
 from producer.queues import live_queues, resolve_queues
 
@@ -30,10 +38,30 @@ def test_the_local_part_names_the_gpu(queue, gpu, host):
     assert queue_host(queue) == host
 
 
+@pytest.mark.parametrize("queue, group", [
+    ("hosta.gpu0-3", (0, 1, 2, 3)), ("gpu4-7", (4, 5, 6, 7)), ("jobA.hostb.gpu0_2", (0, 2)),
+    ("h.gpu0-1_4-5", (0, 1, 4, 5)), ("h.gpu3", (3,)), ("h.gpu3-3", (3,)),
+    ("h.gpu3-1", None), ("h.gpu0-2_1", None), ("h.gpu0-", None), ("h.gpu-1", None), ("h.gpu0_", None),
+    ("gpu0-3.h", None),
+])
+def test_a_group_of_gpus_is_named_as_a_range(queue, group):
+    assert gpu_group_for_queue(queue) == group
+    assert gpu_index_for_queue(queue) == (group[0] if group else None)  # the first GPU: port base + it
+    if group:
+        assert queue_host(queue) == queue.rpartition(".")[0]
+        assert valid_queue_name(queue) and expand_queues(queue) == (queue,)
+
+
+def test_a_groups_label_reads_back_as_the_group():
+    for group in ((0,), (3,), (0, 1, 2, 3), (4, 5, 6, 7), (0, 2), (0, 1, 4, 5), (1, 3, 4, 5)):
+        assert gpu_group_for_queue(f"hosta.{group_label(group)}") == group
+    assert group_label((0, 1, 2, 3)) == "gpu0-3" and group_label((5,)) == "gpu5" and group_label((0, 2)) == "gpu0_2"
+
+
 def test_the_default_pattern_matches_every_hosts_gpu_queues():
-    for q in ("gpu0", "hosta.gpu7", "jobA.hostb.gpu15"):
+    for q in ("gpu0", "hosta.gpu7", "jobA.hostb.gpu15", "hosta.gpu0-3", "jobA.hostb.gpu4-7", "h.gpu0_2"):
         assert re.fullmatch(DEFAULT_QUEUE_PATTERN, q), q
-    for q in ("hosta.cpu0", "gpu0.hosta", "default", "hosta.gpu0:x"):
+    for q in ("hosta.cpu0", "gpu0.hosta", "default", "hosta.gpu0:x", "hosta.gpu0-", "hosta.gpu0-3.x"):
         assert not re.fullmatch(DEFAULT_QUEUE_PATTERN, q), q
     assert Config().queue_pattern == DEFAULT_QUEUE_PATTERN
     with pytest.raises(ConfigError, match="not a regular expression"):
@@ -61,12 +89,13 @@ def test_live_queues_are_what_live_workers_report(r: redis.Redis):
     put_status(r, "hostb.gpu1.9", "hostb.gpu1")
     put_status(r, "hosta.gpu10.8", "hosta.gpu10")
     put_status(r, "hosta.gpu2.7", "hosta.gpu2", state="starting")
+    put_status(r, "hosta.gpu4-7.5", "hosta.gpu4-7")  # one server on a group of GPUs: after gpu2, before gpu10
     put_status(r, "hostc.gpu0.6", "hostc.gpu0", state="down")  # its server cannot start: no work for it
     r.set(keys.status("garbage"), b"{not json", ex=STATUS_TTL_S)
     r.sadd(keys.workers, "garbage", "gone")  # "gone": its record expired
-    assert live_queues(r, keys) == ["hosta.gpu2", "hosta.gpu10", "hostb.gpu1"]
+    assert live_queues(r, keys) == ["hosta.gpu2", "hosta.gpu4-7", "hosta.gpu10", "hostb.gpu1"]
     assert resolve_queues("live,spare.gpu[0-1]", r, keys) == (
-        "hosta.gpu2", "hosta.gpu10", "hostb.gpu1", "spare.gpu0", "spare.gpu1")
+        "hosta.gpu2", "hosta.gpu4-7", "hosta.gpu10", "hostb.gpu1", "spare.gpu0", "spare.gpu1")
     with pytest.raises(ConfigError, match="no live worker of run 'other'"):
         resolve_queues("live", r, Keys("other"))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from batchfleet import sglang
 from batchfleet.config import Config
 from batchfleet.errors import ConfigError
-from worker.flags import ServerCLI, build_argv
+from worker.flags import ServerCLI, build_argv, tp_size_for
 
 HELP_0523 = (Path(__file__).parents[1] / "sglang_sim" / "data" / "launch-help-0.5.23.txt")
 LEGACY_HELP = """usage: launch_server.py [-h] --model-path MODEL_PATH [--host HOST] [--port PORT]
@@ -87,3 +88,49 @@ sglang:gen_throughput{model_name="m"} 487.2
     m = sglang.parse_metrics(text)
     assert m.running == 32 and m.mamba_usage == 0.61 and m.full_kv_usage == 0.21
     assert m.gen_throughput == 487.2 and m.queued is None
+
+
+# --- a server on a group of GPUs ---------------------------------------------------------------------------
+def _tp(argv: list[str]) -> list[str]:
+    return [a for i, a in enumerate(argv) if "tp-size" in a or "tensor-parallel" in a or (
+        i and ("tp-size" in argv[i - 1] or "tensor-parallel" in argv[i - 1]))]
+
+
+def test_a_group_of_gpus_passes_its_tensor_parallel_size_as_the_servers_help_spells_it(cli_0523):
+    assert _tp(build_argv(cfg(), cli_0523, port=30000)) == []  # one GPU: SGLang's default, nothing sent
+    assert _tp(build_argv(cfg(), cli_0523, port=30000, gpus=(0, 1, 2, 3))) == ["--tp-size", "4"]
+    # a release that lists only the long spelling gets that one; one that lists neither cannot run a group
+    long_only = ServerCLI.from_help(LEGACY_HELP + "  [--tensor-parallel-size TENSOR_PARALLEL_SIZE]\n")
+    assert _tp(build_argv(cfg(), long_only, port=30000, gpus=(4, 5))) == ["--tensor-parallel-size", "2"]
+    with pytest.raises(ConfigError, match="lists no --tp-size"):
+        build_argv(cfg(), ServerCLI.from_help(LEGACY_HELP), port=30000, gpus=(0, 1))
+
+
+@pytest.mark.parametrize("args, gpus, tp", [
+    ("--tp-size 4", (0, 1, 2, 3), None),  # the user's agrees: sent once, as the user wrote it
+    ("--tp-size=2", (0, 1), None),
+    ("--tensor-parallel-size 2", (6, 7), None),
+    ("--dp-size 2", (0, 1, 2, 3), "2"),  # 2 replicas of TP2
+    ("--dp-size 4 --enable-dp-attention", (0, 1, 2, 3), "4"),  # attention DP inside one TP4 group
+    ("--attn-dp-size 2", (0, 1, 2, 3), "4"),
+    ("--pp-size 2", (0, 1, 2, 3), "2"),
+    ("--pp-size 2 --dp-size 2", (0, 1, 2, 3), None),  # TP1 x PP2 x 2 replicas: nothing to add
+])
+def test_the_tensor_parallel_size_fills_the_group_with_the_users_other_sizes(cli_0523, args, gpus, tp):
+    argv = build_argv(cfg(server_args=args), cli_0523, port=30000, gpus=gpus)
+    sent = [argv[i + 1] for i, a in enumerate(argv) if a == "--tp-size" and i >= argv.index("--model-path")]
+    assert sent == ([tp] if tp else [])
+    assert tp_size_for(shlex.split(args), gpus)[1] is ("tp-size" in args or "parallel-size" in args)
+
+
+@pytest.mark.parametrize("args, gpus, words", [
+    ("--tp-size 2", (0, 1, 2, 3), "--tp-size 2 = 2 GPU(s), but this worker's server runs on a group of 4 GPUs"),
+    ("--tp-size 2", (3,), "runs on GPU 3"),
+    ("--tp-size 4 --dp-size 2", (0, 1, 2, 3), "--tp-size 4 x --dp-size 2 = 8 GPU(s)"),
+    ("--dp-size 3", (0, 1, 2, 3), "do not divide"),
+    ("--tp-size four", (0, 1), "must be a positive whole number"),
+])
+def test_a_users_tensor_parallel_size_that_disagrees_with_the_group_is_one_line(cli_0523, args, gpus, words):
+    with pytest.raises(ConfigError) as exc:
+        build_argv(cfg(server_args=args), cli_0523, port=30000, gpus=gpus)
+    assert words in str(exc.value) and "\n" not in str(exc.value)

@@ -8,8 +8,9 @@ queues, job hashes and registries are.
 
 Exit status: 0 stopped by a signal (or burst mode done); 1 Redis unreachable at start (RQ's CLI says so
 in one line) or an unexpected error; 2 configuration error (a Redis URL RQ cannot use, a bad
-`BATCHFLEET_*` value, a state or log directory that cannot be created); 3 another worker on this host
-already owns this GPU's server; 75 stopped by RQ's `shutdown` command (drained; meant to be restarted).
+`BATCHFLEET_*` value, a state or log directory that cannot be created, a `--tp-size` that disagrees with
+the worker's GPU group); 3 another worker on this host already owns this GPU's server (or a GPU of this
+worker's group); 75 stopped by RQ's `shutdown` command (drained; meant to be restarted).
 
 RQ's CLI builds its Redis client before it hands over to this class, and reports a URL it cannot parse
 with a traceback; so when `rq worker` imports this package, the URL it is about to use is checked
@@ -36,14 +37,15 @@ import orjson
 import redis
 from rq.worker import BaseWorker
 
-from batchfleet.config import Config, gpu_index_for_queue, queue_host, redis_url_problem
+from batchfleet.config import Config, gpu_group_for_queue, queue_host, redis_url_problem
 from batchfleet.connection import async_client_like, with_timeouts
 from batchfleet.errors import ConfigError
 from batchfleet.redact import Scrubber, install_log_scrubbing, private_dir
 from batchfleet.serializer import OrjsonSerializer
 
 from .eventloop import loop_factory
-from .lock import ServerLock, ServerTaken
+from .flags import tp_size_for
+from .lock import GroupLock, ServerTaken
 from .service import GPUService
 
 __all__ = ["EXIT_CONFIG", "EXIT_SERVER_TAKEN", "GPUWorker", "preflight_rq_cli", "rq_cli_url"]
@@ -103,7 +105,8 @@ def _make_dirs(config: Config) -> None:
 
 
 class GPUWorker(BaseWorker):
-    """One process per GPU; the (first) queue name picks the GPU: `gpu3` -> GPU 3, port base + 3."""
+    """One process per server; the (first) queue name picks its GPU: `gpu3` -> GPU 3, port base + 3; or its
+    group of GPUs: `gpu4-7` -> GPUs 4 to 7 (CUDA_VISIBLE_DEVICES=4,5,6,7, --tp-size 4), port base + 4."""
 
     def __init__(self, queues: Any, *args: Any, **kwargs: Any) -> None:
         # Jobs are JSON whatever `rq worker -S` says: pickle would let Redis writers run code here.
@@ -134,10 +137,11 @@ class GPUWorker(BaseWorker):
         try:
             config = Config.from_env()
             queue = self.queue_names()[0]
-            gpu = config.gpu if config.gpu is not None else gpu_index_for_queue(queue)
-            if gpu is None:
-                raise ConfigError(f"queue {queue!r} names no GPU: its last part must be gpuN (gpu3, hostb.gpu3) "
-                                  "or set BATCHFLEET_GPU")
+            gpus = (config.gpu,) if config.gpu is not None else gpu_group_for_queue(queue)
+            if gpus is None:
+                raise ConfigError(f"queue {queue!r} names no GPU: its last part must be gpuN (gpu3, hostb.gpu3) or a "
+                                  "group gpuA-B (hostb.gpu0-3), or set BATCHFLEET_GPU")
+            tp_size_for(config.server_argv_extra, gpus)  # a --tp-size that disagrees with the group: exit 2 now
             new_loop = loop_factory(config.event_loop)
             _make_dirs(config)
         except ConfigError as exc:
@@ -145,7 +149,7 @@ class GPUWorker(BaseWorker):
             sys.exit(EXIT_CONFIG)
         scrub = Scrubber.for_config(config)
         install_log_scrubbing(scrub)
-        lock = ServerLock(config.server_host, config.port_for(gpu), gpu=gpu)
+        lock = GroupLock(config.server_host, {g: config.port_for(g) for g in gpus})
         try:
             lock.acquire()  # before registering with RQ: a refused duplicate leaves no trace there
         except ServerTaken as exc:
@@ -162,7 +166,7 @@ class GPUWorker(BaseWorker):
         code = 1
         try:
             with asyncio.Runner(loop_factory=new_loop) as runner:
-                code = runner.run(self._serve(config, queue, gpu, burst))
+                code = runner.run(self._serve(config, queue, gpus, burst))
         finally:
             with contextlib.suppress(redis.RedisError, OSError):
                 self.heartbeat()  # the final job counts, before RQ marks the worker dead
@@ -189,10 +193,10 @@ class GPUWorker(BaseWorker):
         if pipeline is None:
             pipe.execute()
 
-    async def _serve(self, config: Config, queue: str, gpu: int, burst: bool) -> int:
+    async def _serve(self, config: Config, queue: str, gpus: tuple[int, ...], burst: bool) -> int:
         client = async_client_like(self.connection)
         try:
-            self._service = GPUService(config, client, worker=self.name, queue=queue, gpu=gpu,
+            self._service = GPUService(config, client, worker=self.name, queue=queue, gpu=gpus[0], gpus=gpus,
                                        rq_heartbeat=self.heartbeat)
             return await self._service.run(burst=burst)
         finally:

@@ -17,10 +17,17 @@ from batchfleet.config import Config
 from batchfleet.errors import ConfigError, ServerStartError
 from batchfleet.records import Strategy
 
-__all__ = ["ServerCLI", "build_argv", "read_server_cli"]
+__all__ = ["ServerCLI", "build_argv", "parallel_flags", "read_server_cli", "tp_size_for"]
 
 NEW_STRATEGY_FLAG = "--mamba-radix-cache-strategy"  # 0.5.22+
 OLD_STRATEGY_FLAG = "--mamba-scheduler-strategy"  # before 0.5.22
+# Tensor parallelism, spelled as the server's --help lists it (0.5.23: `--tp-size`, alias
+# `--tensor-parallel-size`); the other sizes only as the user gives them in BATCHFLEET_SERVER_ARGS.
+TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+PP_FLAGS = ("--pp-size", "--pipeline-parallel-size")
+DP_FLAGS = ("--dp-size", "--data-parallel-size")
+ATTN_DP_FLAGS = ("--attn-dp-size", "--attention-data-parallel-size")
+DP_ATTENTION_FLAG = "--enable-dp-attention"
 _FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
 _CHOICES = re.compile(r"(--[a-z0-9][a-z0-9-]*)\s+\{([^}]*)\}")
 
@@ -79,13 +86,72 @@ def strategy_flags(strategy: Strategy | str, cli: ServerCLI) -> list[str]:
                       f"nor {OLD_STRATEGY_FLAG} lists it)")
 
 
+def _last_value(tokens: list[str], names: tuple[str, ...]) -> str | None:
+    """The last value given to any of `names` (`--tp-size 4` or `--tp-size=4`); argparse keeps the last."""
+    value = None
+    for i, token in enumerate(tokens):
+        flag, eq, rest = token.partition("=")
+        if flag in names:
+            value = rest if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
+    return value
+
+
+def _size(tokens: list[str], names: tuple[str, ...]) -> int | None:
+    raw = _last_value(tokens, names)
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"BATCHFLEET_SERVER_ARGS has {names[0]} {raw!r}: it must be a positive whole number")
+    return int(raw)
+
+
+def tp_size_for(extra: list[str], gpus: tuple[int, ...]) -> tuple[int, bool]:
+    """The tensor-parallel size of a server on `gpus`, and whether the user's BATCHFLEET_SERVER_ARGS
+    (`extra`) already says it. As SGLang lays a server out (sglang_sim/parallel.py), it uses
+    TP x PP x (DP replicas) GPUs, where `--dp-size` with `--enable-dp-attention` (or `--attn-dp-size`)
+    is attention data parallelism inside the TP group and adds none. So TP = GPUs / (PP x replicas);
+    a `--tp-size` the user gave must agree with the group, else ConfigError (one line)."""
+    tp, pp, dp = _size(extra, TP_FLAGS), _size(extra, PP_FLAGS) or 1, _size(extra, DP_FLAGS) or 1
+    attention_dp = DP_ATTENTION_FLAG in extra or (_size(extra, ATTN_DP_FLAGS) or 1) > 1
+    replicas = 1 if attention_dp else dp
+    n = len(gpus)
+    what = f"GPU {gpus[0]}" if n == 1 else f"a group of {n} GPUs ({','.join(map(str, gpus))})"
+    if tp is not None:
+        if tp * pp * replicas != n:
+            uses = f"--tp-size {tp}" + (f" x --pp-size {pp}" if pp > 1 else "") + (
+                f" x --dp-size {replicas}" if replicas > 1 else "")
+            raise ConfigError(f"BATCHFLEET_SERVER_ARGS has {uses} = {tp * pp * replicas} GPU(s), but this worker's "
+                              f"server runs on {what}: make them agree (or leave --tp-size out: the worker sets it)")
+        return tp, True
+    if n % (pp * replicas):
+        raise ConfigError(f"this worker's server runs on {what}, which {pp * replicas} pipeline stage(s) x "
+                          "data-parallel replica(s) (BATCHFLEET_SERVER_ARGS --pp-size, --dp-size) do not divide")
+    return n // (pp * replicas), False
+
+
+def parallel_flags(config: Config, cli: ServerCLI, gpus: tuple[int, ...]) -> list[str]:
+    """The tensor-parallel size of a server on `gpus`, in this server's spelling; nothing on one GPU
+    (SGLang's default, 1) or when BATCHFLEET_SERVER_ARGS already gives it (and agrees)."""
+    tp, given = tp_size_for(config.server_argv_extra, gpus)
+    if given or tp == 1:
+        return []
+    for flag in TP_FLAGS:
+        if cli.knows(flag):
+            return [flag, str(tp)]
+    raise ConfigError(f"this server lists no {TP_FLAGS[0]} (nor {TP_FLAGS[1]}) in its --help: it cannot run on "
+                      f"{len(gpus)} GPUs")
+
+
 def build_argv(config: Config, cli: ServerCLI, *, port: int, strategy: Strategy | str | None = None,
-               mem_fraction_static: float | None = None, max_running_requests: int | None = None) -> list[str]:
-    """The full command line of one server. Explicit arguments override the configuration (the
-    supervisor's restarts use them); every generated flag is checked against `cli`."""
+               mem_fraction_static: float | None = None, max_running_requests: int | None = None,
+               gpus: tuple[int, ...] = (0,)) -> list[str]:
+    """The full command line of one server (on `gpus`: its tensor-parallel size). Explicit arguments
+    override the configuration (the supervisor's restarts use them); every generated flag is checked
+    against `cli`."""
     if not config.model_path:
         raise ConfigError("no model: set BATCHFLEET_MODEL_PATH")
-    want: list[str] = ["--model-path", config.model_path, "--host", config.server_host, "--port", str(port)]
+    want: list[str] = ["--model-path", config.model_path, "--host", config.server_host, "--port", str(port),
+                       *parallel_flags(config, cli, gpus)]
     if cli.knows("--enable-metrics"):
         want.append("--enable-metrics")  # the supervisor needs running/queued/KV/mamba gauges
     mem = mem_fraction_static if mem_fraction_static is not None else config.mem_fraction_static

@@ -1,4 +1,5 @@
-"""Is a GPU's memory free again? Asked of `nvidia-smi` before a server is started on it.
+"""Is a GPU's memory free again (every GPU of a server's group)? Asked of `nvidia-smi` before a server
+is started on it again.
 
 On a GPU host `nvidia-smi` is the driver's own tool; without a driver the simulator ships a
 stand-in with the same command line (`sglang_sim/bin/nvidia-smi`) that reports its accounting.
@@ -12,15 +13,17 @@ import logging
 import shutil
 import subprocess
 import time
+from collections.abc import Iterable
 
-__all__ = ["gpu_memory_mib", "wait_gpu_free"]
+__all__ = ["gpu_memory_mib", "gpus_memory_mib", "wait_gpu_free"]
 
 log = logging.getLogger("batchfleet.worker.gpu")
 QUERY = ["--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"]
 
 
-def gpu_memory_mib(index: int) -> tuple[int, int] | None:
-    """(used, total) MiB of one GPU, or None when no nvidia-smi answers."""
+def gpus_memory_mib(indices: Iterable[int]) -> dict[int, tuple[int, int]] | None:
+    """(used, total) MiB of each of these GPUs that nvidia-smi lists (one call), or None when no
+    nvidia-smi answers."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -28,24 +31,38 @@ def gpu_memory_mib(index: int) -> tuple[int, int] | None:
         out = subprocess.run([exe, *QUERY], capture_output=True, text=True, timeout=20, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
+    wanted = {str(i): i for i in indices}
+    seen: dict[int, tuple[int, int]] = {}
     for line in out.splitlines():
         fields = [f.strip() for f in line.split(",")]
-        if len(fields) == 3 and fields[0] == str(index):
-            return int(float(fields[1])), int(float(fields[2]))
-    return None
+        if len(fields) == 3 and fields[0] in wanted:
+            seen[wanted[fields[0]]] = int(float(fields[1])), int(float(fields[2]))
+    return seen
 
 
-async def wait_gpu_free(index: int, *, timeout_s: float = 120.0, free_below_fraction: float = 0.05) -> str:
-    """Wait until the GPU holds (almost) nothing; return what was seen, for the restart event."""
+def gpu_memory_mib(index: int) -> tuple[int, int] | None:
+    """(used, total) MiB of one GPU, or None when no nvidia-smi answers (or it lists no such GPU)."""
+    return (gpus_memory_mib([index]) or {}).get(index)
+
+
+async def wait_gpu_free(gpus: int | Iterable[int], *, timeout_s: float = 120.0,
+                        free_below_fraction: float = 0.05) -> str:
+    """Wait until every GPU of the server's group (or the one GPU) holds (almost) nothing; return what was
+    seen, for the restart event."""
+    indices = (gpus,) if isinstance(gpus, int) else tuple(gpus)
+    names = f"GPU {indices[0]}" if len(indices) == 1 else f"GPUs {','.join(map(str, indices))}"
     deadline = time.monotonic() + timeout_s
     while True:
-        seen = await asyncio.to_thread(gpu_memory_mib, index)
-        if seen is None:
+        seen = await asyncio.to_thread(gpus_memory_mib, indices)
+        if not seen:
             return "GPU memory not checked (no nvidia-smi)"
-        used, total = seen
-        if used <= total * free_below_fraction:
-            return f"GPU {index} memory free again ({used} of {total} MiB used)"
+        busy = {i: used for i, (used, total) in seen.items() if used > total * free_below_fraction}
+        if not busy:
+            used = sum(u for u, _ in seen.values())
+            total = sum(t for _, t in seen.values())
+            return f"{names} memory free again ({used} of {total} MiB used)"
         if time.monotonic() > deadline:
-            log.warning("gpu%d still has %d MiB in use after %.0f s; starting anyway", index, used, timeout_s)
-            return f"GPU {index} still had {used} MiB in use after {timeout_s:.0f} s"
+            held = ", ".join(f"GPU {i} {u} MiB" for i, u in sorted(busy.items()))
+            log.warning("%s still in use after %.0f s (%s); starting anyway", names, timeout_s, held)
+            return f"{names} still in use after {timeout_s:.0f} s ({held})"
         await asyncio.sleep(0.5)

@@ -166,7 +166,7 @@ class ServerKeeper:
         await self.publish()
         handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
         await self.server.stop()
-        gpu_note = await wait_gpu_free(self.gpu)
+        gpu_note = await wait_gpu_free(self.server.gpus)
         self._restarting = {"since": since, "handed_back": handed, "previous": old.describe(),
                             "previous_generation": old.generation, "gpu": gpu_note}
         log.info("gpu%d: restarting for generation %s: %d prompt(s) handed back; %s", self.gpu,

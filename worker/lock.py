@@ -1,4 +1,5 @@
-"""One worker per server per host: a second `rq worker gpu0` on the same host refuses to start.
+"""One worker per server per host: a second `rq worker gpu0` on the same host refuses to start, and so
+does a worker on a group of GPUs (`gpu0-3`) that overlaps another worker's GPU or group.
 
 The lock is an abstract unix socket (Linux) named after the server address the worker owns,
 `batchfleet/127.0.0.1:30000`: binding it succeeds for exactly one process per network namespace,
@@ -11,6 +12,9 @@ to trust. Why this and not a file lock in the state dir:
 - It is named by the server's address (host and port = base + GPU index), the resource two workers
   for one GPU would fight over (the port and the pid file of the server on it). Test fleets that each
   pick their own free ports can run side by side on one machine.
+
+A worker on a group takes the lock of every GPU of its group (`GroupLock`: the address base + N of
+each GPU N, in order), so `gpu2-3` beside a live `gpu0-3` exits 3 as `gpu2` does.
 
 The socket is created close-on-exec, so the server a worker starts does not inherit (and keep) it.
 A worker that finds the lock held asks the holder's pid from the kernel (SO_PEERCRED) for its message.
@@ -25,7 +29,7 @@ import sys
 
 from batchfleet.errors import BatchfleetError
 
-__all__ = ["ServerLock", "ServerTaken"]
+__all__ = ["GroupLock", "ServerLock", "ServerTaken"]
 
 
 class ServerTaken(BatchfleetError):
@@ -72,3 +76,27 @@ class ServerLock:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+class GroupLock:
+    """The locks of every GPU of a server's group (one `ServerLock` per GPU, named by base + index): all
+    of them or none."""
+
+    def __init__(self, host: str, ports: dict[int, int]) -> None:
+        self.locks = [ServerLock(host, port, gpu=gpu) for gpu, port in ports.items()]
+
+    def acquire(self) -> None:
+        """Take every GPU's lock or raise ServerTaken (for the first GPU another worker holds), holding none."""
+        taken: list[ServerLock] = []
+        try:
+            for lock in self.locks:
+                lock.acquire()
+                taken.append(lock)
+        except ServerTaken:
+            for lock in taken:
+                lock.release()
+            raise
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()

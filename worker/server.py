@@ -21,7 +21,7 @@ from typing import IO
 import orjson
 
 from batchfleet import sglang
-from batchfleet.config import Config
+from batchfleet.config import Config, group_label
 from batchfleet.errors import ServerDied, ServerStartError
 from batchfleet.procs import pid_alive
 from batchfleet.records import ServerFacts, ServerSpec
@@ -39,15 +39,18 @@ FATAL_LINES = ("CUDA out of memory", "OutOfMemoryError", "Address already in use
 
 
 class SGLangServer:
-    """The SGLang server of one GPU."""
+    """The SGLang server of one GPU, or of a group of GPUs (`gpus`: one tensor-parallel server on all of
+    them; `gpu` is the first, which names it in log lines and gives its port)."""
 
-    def __init__(self, config: Config, *, gpu: int, port: int) -> None:
+    def __init__(self, config: Config, *, gpu: int, port: int, gpus: tuple[int, ...] = ()) -> None:
         self.config = config
         self.gpu = gpu
+        self.gpus = tuple(gpus) or (gpu,)
         self.port = port
         self.url = f"http://{config.server_host}:{port}"
-        self.log_path = config.logs / f"sglang-gpu{gpu}.log"
-        self.pid_path = config.logs / f"sglang-gpu{gpu}.pid"
+        label = group_label(self.gpus)
+        self.log_path = config.logs / f"sglang-{label}.log"
+        self.pid_path = config.logs / f"sglang-{label}.pid"
         self.proc: subprocess.Popen[bytes] | None = None
         self.argv: list[str] = []
         self.flags: list[str] = []  # argv without the command itself, for status records
@@ -68,14 +71,14 @@ class SGLangServer:
         self.spec = spec
         self.argv = build_argv(self.config, self._cli, port=self.port, strategy=spec.strategy,
                                mem_fraction_static=spec.mem_fraction_static,
-                               max_running_requests=spec.max_running_requests)
+                               max_running_requests=spec.max_running_requests, gpus=self.gpus)
         # The command line may hold the API key: everything written about it is redacted.
         self.flags = redact_argv(self.argv[len(shlex.split(self.config.sglang_cmd)):])
         shown = shlex.join(redact_argv(self.argv))
         private_dir(self.config.state_dir)
         private_dir(self.log_path.parent)
         await self._clear_leftover()
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(self.gpu))
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, self.gpus)))
         logf = private_file(self.log_path, "ab")
         try:
             logf.write(f"\n===== batchfleet: starting {shown} =====\n".encode())

@@ -56,7 +56,7 @@ EXIT_SHUTDOWN_COMMAND = 75  # EX_TEMPFAIL: stopped on request through Redis; a s
 
 class GPUService:
     def __init__(self, config: Config, client: aioredis.Redis, *, worker: str, queue: str, gpu: int,
-                 rq_heartbeat: Callable[[], object] = lambda: None) -> None:
+                 gpus: tuple[int, ...] = (), rq_heartbeat: Callable[[], object] = lambda: None) -> None:
         self.config = config
         self.r = client
         self.k = Keys(config.run)
@@ -65,7 +65,7 @@ class GPUService:
         self.queue = queue
         self.gpu = gpu
         self.clock = Clock(config.test_clock_offset_s)
-        self.server = SGLangServer(config, gpu=gpu, port=config.port_for(gpu))
+        self.server = SGLangServer(config, gpu=gpu, gpus=gpus, port=config.port_for(gpu))
         self.ledger = Ledger(client, self.k, worker=worker, lease_ttl_s=config.lease_ttl_s)
         self.meter = ThroughputMeter()
         self.scrub = Scrubber.for_config(config)

@@ -132,7 +132,7 @@ CASES: dict[str, Case] = {
         ["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--gpus", "0-7", "--tp", "3"], 2,
         "--tp 3 does not divide the 8 GPU(s) given"),
     "batchfleet run: a GPU group larger than the host has": Case(
-        ["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--gpus", "0-7", "--tp", "8"], 2,
+        ["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--gpus", "0-3", "--tp", "8"], 2,
         "--tp 8: a server on 8 GPUs, but this host has 4 (nvidia-smi)", env={"SGLANG_SIM_NUM_GPUS": "4"}),
     "batchfleet run: a --tp of 0": Case(["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--tp", "0"], 2,
                                         "argument --tp: '0': must be more than 0"),

@@ -92,6 +92,35 @@ def test_run_across_two_hosts(lan):
     assert_exact(lan, rows, export_lines(lan))
 
 
+def test_one_tp2_server_per_host(lan):
+    """Each host runs one server on its GPUs 0 and 1 (`rq worker <host>.gpu0-1`): tensor parallel 2, on
+    port base + 0 of its own host; the run ends exact."""
+    hosts = [lan.add_host("hosta"), lan.add_host("hostb")]
+    for h in hosts:
+        h.start_worker("gpu0-1")
+    queues = ["hosta.gpu0-1", "hostb.gpu0-1"]
+    lan.wait_for(lambda: sorted(lan.serving()) == queues, 90, "2 TP2 workers serving on 2 hosts")
+    lan.start_collector()
+    rows = write_prompts(lan.tmp / "head" / "prompts.jsonl", 200)
+    enq = lan.producer("enqueue", "prompts.jsonl", "--queues", "live")
+    assert fed_queues(enq.stdout) == set(queues)
+    lan.wait_for(lambda: lan.finished() >= 200, 180, "200 prompts")
+    statuses = lan.serving()
+    for h in hosts:
+        s = statuses[h.queue("gpu0-1")]
+        assert (s.host, s.gpu, s.server_url) == (h.name, 0, "http://127.0.0.1:30000")
+        assert s.worker.startswith(f"{h.name}.gpu0-1.")
+        assert s.server_flags[s.server_flags.index("--tp-size"):][:2] == ["--tp-size", "2"]
+        rec = h.sim_record("gpu0-1")
+        assert rec["flags"]["tp_size"] == 2 and rec["gpu_indices"] == [0, 1]
+    assert lan.stop_head()["collector"] == 0
+    codes = {q: c for h in hosts for q, c in h.stop_all().items()}
+    assert set(codes.values()) == {0}, codes
+    assert all(h.served("gpu0-1") > 0 for h in hosts), "a host took no work"
+    assert sum(h.served("gpu0-1") for h in hosts) == 200  # every prompt ran once
+    assert_exact(lan, rows, export_lines(lan))
+
+
 def fed_queues(out: str) -> set[str]:
     """The queues `producer enqueue` says it fed ("fed to Redis: q n, q n")."""
     line = next(x for x in out.splitlines() if x.startswith("fed to Redis: "))

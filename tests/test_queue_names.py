@@ -132,3 +132,15 @@ def test_a_worker_on_a_host_qualified_queue(r: redis.Redis, monkeypatch: pytest.
     # RQ raises the read timeout to ~7 minutes for its blocking dequeue; our worker never dequeues
     # that way, and a partition must not hang it that long.
     assert w.connection.connection_pool.connection_kwargs["socket_timeout"] == SOCKET_TIMEOUT_S
+
+
+def test_the_procfiles_gpu_lines_are_named_after_the_gpus_their_queue_names():
+    """Each `gpuN:` / `gpuA-B:` line of the shipped Procfile runs `rq worker $(hostname -s).<its name>`, and
+    the name reads back as the GPU or group the worker serves (the README and docs/multihost.md show them)."""
+    text = (Path(__file__).resolve().parents[1] / "Procfile").read_text()
+    lines = re.findall(r"^(gpu[^:]*): env RQ_WORKER_CLASS=worker\.GPUWorker rq worker \$\(hostname -s\)\.(\S+)$",
+                       text, flags=re.M)
+    assert {name for name, _ in lines} >= {f"gpu{i}" for i in range(8)} | {"gpu0-3", "gpu4-7", "gpu0-7"}
+    for name, queue in lines:
+        assert name == queue and gpu_group_for_queue(f"hosta.{queue}") is not None
+    assert gpu_group_for_queue("hosta.gpu4-7") == (4, 5, 6, 7)

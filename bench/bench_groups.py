@@ -4,8 +4,8 @@ dense model (dense-70b-96gb: its 131 GB of weights fit no single 96 GB GPU), bes
 
 Each fleet: real `rq worker` processes on queues `<run>.gpu0-3`, `<run>.gpu4-7` (or `<run>.gpuN`), each
 owning a simulated SGLang server it starts with CUDA_VISIBLE_DEVICES of its group and `--tp-size 4`.
-The workers are started and serving before the prompts are enqueued (a window as large as the run),
-so the clock runs from the enqueue to the last result.
+The workers are started and serving before the prompts are enqueued (the head feeds the rest, as in
+a run), so the clock runs from the enqueue to the last result.
 
 For each fleet it prints, per server:
 - capacity predicted: the simulator's memory model (sglang_sim.memory.plan_memory on the server's
@@ -74,7 +74,7 @@ def run_fleet(tmp: Path, redis_url: str, name: str, *, prompts: int, tokens: int
     profile, groups = FLEETS[name]
     env = {"SGLANG_SIM_PROFILE": profile, "BATCHFLEET_MODEL_PATH": get_profile(profile).model_path,
            "SGLANG_SIM_TIME_SCALE": str(time_scale), "SGLANG_SIM_STARTUP_S": "0.5", "SGLANG_SIM_NUM_GPUS": "8",
-           "BATCHFLEET_WINDOW_DEFAULT": str(prompts), "BATCHFLEET_SHUTDOWN_GRACE_S": "5",
+           "BATCHFLEET_SHUTDOWN_GRACE_S": "5",
            "BATCHFLEET_HEALTH_INTERVAL_S": "30", "BATCHFLEET_STATUS_INTERVAL_S": "0.5"}
     tp = len(groups[0])
     if max_running and tp > 1:
@@ -89,6 +89,7 @@ def run_fleet(tmp: Path, redis_url: str, name: str, *, prompts: int, tokens: int
         fleet.wait_for(lambda: sum(s.state is WorkerState.SERVING for s in fleet.statuses()) == len(groups), 180,
                        f"{len(groups)} workers serving")
         statuses = {s.queue: s for s in fleet.statuses()}
+        fleet.start_head()  # feeds each queue its window (2 x its server's capacity) until the run is fed
         queues = ",".join(fleet.queue(label(g)) for g in groups)
         t0 = time.monotonic()
         fleet.producer("enqueue", "prompts.jsonl", "--queues", queues)

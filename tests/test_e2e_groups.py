@@ -17,7 +17,8 @@ import orjson
 import pytest
 import redis
 
-from batchfleet.records import WorkerState, WorkerStatus
+from batchfleet.keys import Keys
+from batchfleet.records import ServerSpec, WorkerState, WorkerStatus
 from batchfleet.rqlayout import WORKERS
 from sglang_sim.gpus import release, write_usage
 from worker.gpu import wait_gpu_free
@@ -122,3 +123,31 @@ def test_a_restart_waits_until_every_gpu_of_the_group_is_free(tmp_path: Path, mo
     release(3)
     assert asyncio.run(wait_gpu_free((2, 3), timeout_s=5)) == "GPUs 2,3 memory free again (0 of 195774 MiB used)"
     assert asyncio.run(wait_gpu_free(2, timeout_s=5)) == "GPU 2 memory free again (0 of 97887 MiB used)"
+
+
+@pytest.mark.slow
+def test_a_group_restarts_on_a_new_spec_once_every_gpu_is_free_and_keeps_its_tp_size(
+        fleets: Callable[..., Fleet], tmp_path: Path) -> None:
+    fleet = fleets(gpus=2, env={"SGLANG_SIM_NUM_GPUS": "2", "SGLANG_SIM_TIME_SCALE": "10",
+                                "BATCHFLEET_SHUTDOWN_GRACE_S": "1"})
+    rows = write_prompts(tmp_path / "prompts.jsonl", 200, max_tokens=64)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queue("gpu0-1"))
+    fleet.start_worker("gpu0-1")
+    fleet.wait_for(lambda: any(s.state is WorkerState.SERVING and s.in_flight > 0 for s in fleet.statuses()), 60,
+                   "serving")
+    fleet.r.hset(fleet.k.control, Keys.CONTROL_FLEET,
+                 ServerSpec(generation=1, strategy="no_buffer", max_running_requests=64).to_json())
+    fleet.wait_for(lambda: any(s.generation == 1 and s.state is WorkerState.SERVING for s in fleet.statuses()), 60,
+                   "the new generation to serve")
+    (restarted,) = fleet.events("restarted")
+    # both GPUs of the group were asked about (the simulator's nvidia-smi: 2 x 97,887 MiB)
+    assert restarted.data["gpu"] == "GPUs 0,1 memory free again (0 of 195774 MiB used)", restarted.data
+    rec = fleet.sim_record("gpu0-1")  # the new server process
+    assert rec["gpu_indices"] == [0, 1] and rec["flags"]["tp_size"] == 2 and rec["argv"].count("--tp-size") == 1
+    assert rec["argv"][rec["argv"].index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
+    fleet.wait_for(lambda: fleet.finished() >= 200, 120, "all prompts")
+    assert fleet.stop_all() == {"gpu0-1": 0}
+    out = tmp_path / "out.jsonl"
+    fleet.producer("export", str(out))
+    ids = [orjson.loads(x)["custom_id"] for x in out.read_bytes().splitlines()]
+    assert ids == [r["id"] for r in rows] and fleet.stats()["succeeded"] == 200  # 0 lost, 0 duplicated

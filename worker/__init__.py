@@ -9,8 +9,8 @@ queues, job hashes and registries are.
 Exit status: 0 stopped by a signal (or burst mode done); 1 Redis unreachable at start (RQ's CLI says so
 in one line) or an unexpected error; 2 configuration error (a Redis URL RQ cannot use, a bad
 `BATCHFLEET_*` value, a state or log directory that cannot be created, a `--tp-size` that disagrees with
-the worker's GPU group); 3 another worker on this host already owns this GPU's server (or a GPU of this
-worker's group); 75 stopped by RQ's `shutdown` command (drained; meant to be restarted).
+the worker's GPU group, a GPU nvidia-smi does not list); 3 another worker on this host already owns this
+GPU's server (or a GPU of this worker's group); 75 stopped by RQ's `shutdown` command (drained; meant to be restarted).
 
 RQ's CLI builds its Redis client before it hands over to this class, and reports a URL it cannot parse
 with a traceback; so when `rq worker` imports this package, the URL it is about to use is checked
@@ -45,6 +45,7 @@ from batchfleet.serializer import OrjsonSerializer
 
 from .eventloop import loop_factory
 from .flags import tp_size_for
+from .gpu import listed_gpus
 from .lock import GroupLock, ServerTaken
 from .service import GPUService
 
@@ -104,6 +105,18 @@ def _make_dirs(config: Config) -> None:
             raise ConfigError(f"the {what} {path} cannot be created or written: {exc.strerror or exc}") from None
 
 
+def _check_listed(queue: str, gpus: tuple[int, ...]) -> None:
+    """A queue that names GPUs nvidia-smi does not list on this host (`gpu4-7` on a 4-GPU host) is a
+    configuration error now, not a server that dies at start-up again and again ("invalid device
+    ordinal"). Without an nvidia-smi that answers, nothing is checked."""
+    listed = listed_gpus()
+    missing = [g for g in gpus if listed is not None and g not in listed]
+    if missing:
+        have = ",".join(map(str, listed)) if listed else "none"
+        raise ConfigError(f"queue {queue!r} names GPU(s) {','.join(map(str, missing))}, which this host does not have "
+                          f"(nvidia-smi lists {have})")
+
+
 class GPUWorker(BaseWorker):
     """One process per server; the (first) queue name picks its GPU: `gpu3` -> GPU 3, port base + 3; or its
     group of GPUs: `gpu4-7` -> GPUs 4 to 7 (CUDA_VISIBLE_DEVICES=4,5,6,7, --tp-size 4), port base + 4."""
@@ -142,6 +155,7 @@ class GPUWorker(BaseWorker):
                 raise ConfigError(f"queue {queue!r} names no GPU: its last part must be gpuN (gpu3, hostb.gpu3) or a "
                                   "group gpuA-B (hostb.gpu0-3), or set BATCHFLEET_GPU")
             tp_size_for(config.server_argv_extra, gpus)  # a --tp-size that disagrees with the group: exit 2 now
+            _check_listed(queue, gpus)
             new_loop = loop_factory(config.event_loop)
             _make_dirs(config)
         except ConfigError as exc:

@@ -15,7 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterable
 
-__all__ = ["gpu_memory_mib", "gpus_memory_mib", "wait_gpu_free"]
+__all__ = ["gpu_memory_mib", "gpus_memory_mib", "listed_gpus", "wait_gpu_free"]
 
 log = logging.getLogger("batchfleet.worker.gpu")
 QUERY = ["--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"]
@@ -38,6 +38,12 @@ def gpus_memory_mib(indices: Iterable[int]) -> dict[int, tuple[int, int]] | None
         if len(fields) == 3 and fields[0] in wanted:
             seen[wanted[fields[0]]] = int(float(fields[1])), int(float(fields[2]))
     return seen
+
+
+def listed_gpus() -> tuple[int, ...] | None:
+    """The indices of the GPUs nvidia-smi lists on this host, or None when no nvidia-smi answers."""
+    seen = gpus_memory_mib(range(1024))
+    return None if seen is None else tuple(sorted(seen))
 
 
 def gpu_memory_mib(index: int) -> tuple[int, int] | None:

@@ -144,3 +144,18 @@ def test_the_procfiles_gpu_lines_are_named_after_the_gpus_their_queue_names():
     for name, queue in lines:
         assert name == queue and gpu_group_for_queue(f"hosta.{queue}") is not None
     assert gpu_group_for_queue("hosta.gpu4-7") == (4, 5, 6, 7)
+
+
+def test_batchfleet_run_groups_the_gpus_given_in_order_and_names_each_groups_queue():
+    from fleetrun.launch import UsageError, gpu_groups, queues_of
+
+    assert gpu_groups(tuple(range(8)), 4, host_gpus=8) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert queues_of("r", gpu_groups(tuple(range(8)), 4, host_gpus=8)) == ("r.gpu0-3", "r.gpu4-7")
+    assert queues_of("r", gpu_groups((0, 2, 5, 7), 2, host_gpus=8)) == ("r.gpu0_2", "r.gpu5_7")
+    assert queues_of("r", gpu_groups((0, 1), 1, host_gpus=None)) == ("r.gpu0", "r.gpu1")  # as before
+    for queue, group in zip(queues_of("r", gpu_groups((3, 4, 6, 7), 2, host_gpus=8)), ((3, 4), (6, 7)), strict=True):
+        assert gpu_group_for_queue(queue) == group and re.fullmatch(DEFAULT_QUEUE_PATTERN, queue)
+    with pytest.raises(UsageError, match="does not divide the 6 GPU"):
+        gpu_groups(tuple(range(6)), 4, host_gpus=8)
+    with pytest.raises(UsageError, match="a server on 16 GPUs, but this host has 8"):
+        gpu_groups(tuple(range(16)), 16, host_gpus=8)

@@ -153,13 +153,17 @@ def test_a_group_restarts_on_a_new_spec_once_every_gpu_is_free_and_keeps_its_tp_
     assert ids == [r["id"] for r in rows] and fleet.stats()["succeeded"] == 200  # 0 lost, 0 duplicated
 
 
-def test_a_worker_on_gpus_the_host_does_not_have_is_one_line_and_exit_2(fleets: Callable[..., Fleet],
-                                                                        r: redis.Redis) -> None:
+def test_a_worker_on_gpus_the_host_does_not_have_or_with_a_disagreeing_tp_size_is_one_line_and_exit_2(
+        fleets: Callable[..., Fleet], r: redis.Redis) -> None:
     fleet = fleets(gpus=4, env={"SGLANG_SIM_NUM_GPUS": "2"})
     before = r.smembers(WORKERS)
-    for queue, words in (("gpu2-3", "names GPU(s) 2,3, which this host does not have (nvidia-smi lists 0,1)"),
-                         ("gpu1-2", "names GPU(s) 2, which this host does not have")):
-        proc = fleet.start_worker(queue)
+    for queue, args, words in (
+            ("gpu2-3", "", "names GPU(s) 2,3, which this host does not have (nvidia-smi lists 0,1)"),
+            ("gpu1-2", "", "names GPU(s) 2, which this host does not have"),
+            ("gpu0-1", "--tp-size 4", "BATCHFLEET_SERVER_ARGS has --tp-size 4 = 4 GPU(s), but this worker's server "
+                                      "runs on a group of 2 GPUs (0,1)"),
+            ("gpu0", "--tp-size=2", "runs on GPU 0: make them agree")):
+        proc = fleet.start_worker(queue, env={"BATCHFLEET_SERVER_ARGS": args})
         assert proc.wait(60) == 2, fleet.worker_log(queue)
         lines = [x for x in fleet.worker_log(queue).splitlines() if x.strip()]
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in lines[0], lines

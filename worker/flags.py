@@ -120,8 +120,10 @@ def tp_size_for(extra: list[str], gpus: tuple[int, ...]) -> tuple[int, bool]:
         if tp * pp * replicas != n:
             uses = f"--tp-size {tp}" + (f" x --pp-size {pp}" if pp > 1 else "") + (
                 f" x --dp-size {replicas}" if replicas > 1 else "")
-            raise ConfigError(f"BATCHFLEET_SERVER_ARGS has {uses} = {tp * pp * replicas} GPU(s), but this worker's "
-                              f"server runs on {what}: make them agree (or leave --tp-size out: the worker sets it)")
+            world = tp * pp * replicas
+            raise ConfigError(f"BATCHFLEET_SERVER_ARGS has {uses} = {world} GPU(s), but this worker's server runs on "
+                              f"{what}: make them agree (a server on {world} GPUs is the worker of a group's queue, "
+                              f"e.g. <host>.gpu0-{world - 1}), or leave --tp-size out: the worker sets it")
         return tp, True
     if n % (pp * replicas):
         raise ConfigError(f"this worker's server runs on {what}, which {pp * replicas} pipeline stage(s) x "

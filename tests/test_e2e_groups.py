@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -169,3 +170,22 @@ def test_a_worker_on_gpus_the_host_does_not_have_or_with_a_disagreeing_tp_size_i
         assert len(lines) == 1 and words in lines[0] and "Traceback" not in lines[0], lines
         del fleet.workers[queue]
     assert r.smembers(WORKERS) == before and not (fleet.tmp / "gpus").exists()  # no server was started
+
+
+@pytest.mark.slow
+def test_a_release_without_the_effective_key_has_its_capacity_summed_from_each_dp_ranks_log_line(
+        fleets: Callable[..., Fleet]) -> None:
+    """SGLang before 0.5.22 has no `effective_max_running_requests_per_dp`: the worker reads each DP rank's
+    start-up line (` DP0 TP0`, ` DP1 TP0` prefixes) and sums them."""
+    fleet = fleets(gpus=4, env={"SGLANG_SIM_NUM_GPUS": "4", "SGLANG_SIM_VERSION": "0.5.9"})
+    fleet.start_worker("gpu0-3", env={"BATCHFLEET_SERVER_ARGS": "--dp-size 2"})
+    fleet.wait_for(lambda: _serving(fleet, fleet.queue("gpu0-3")) is not None, 90, "the gpu0-3 worker serving")
+    status = _serving(fleet, fleet.queue("gpu0-3"))
+    assert status is not None
+    info = httpx.get(status.server_url + "/get_server_info", timeout=10).json()  # old releases' only form
+    assert len(info["internal_states"]) == 2
+    assert all("effective_max_running_requests_per_dp" not in s for s in info["internal_states"])
+    log = (fleet.tmp / "state" / "logs" / "sglang-gpu0-3.log").read_text()
+    per_rank = [int(n) for n in re.findall(r" DP\d TP0\] max_total_num_tokens=.*max_running_requests=(\d+)", log)]
+    assert len(per_rank) == 2 and status.effective_max == sum(per_rank) > 0, (per_rank, status.effective_max)
+    assert fleet.stop_all() == {"gpu0-3": 0}

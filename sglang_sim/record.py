@@ -39,6 +39,7 @@ class Recorder:
             "gpu_indices": list(gpu_indices),
         }
         self.requests_by_endpoint: Counter[str] = Counter()
+        self.abort_calls = 0  # POST /abort_request received (not in requests_total: no generation)
         self.samples: list[list[float]] = []
         self.engine: Engine | None = None
         self.started_wall = time.time()
@@ -63,6 +64,7 @@ class Recorder:
             "requests_by_endpoint": dict(self.requests_by_endpoint),
             "generation_tokens_total": e.metrics.generation_tokens if e else 0,
             "aborted_total": e.metrics.aborted if e else 0,
+            "abort_calls": self.abort_calls,
             "error_marker_hits": e.faults.error_marker_hits if e else 0,
             "sick": e.faults.sick if e else False,
             "sick_answers": e.faults.sick_answers if e else 0,

@@ -293,6 +293,7 @@ class SimServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await request.json(loads=orjson.loads) if request.can_read_body else {}
+        self.recorder.abort_calls += 1
         n = self.engine.abort(body.get("rid"), abort_all=bool(body.get("abort_all")))
         return _json({"success": True, "aborted": n})
 

@@ -6,6 +6,7 @@ nothing in a shared Redis."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_cancel_mid_run_drops_queued_and_in_flight_prompts(fleets: Callable[...,
 
     # Several lease beats later (the workers' cancel check), the head has ended the run...
     fleet.wait_for(lambda: "was cancelled" in fleet.head_log(), 60, "the head to end the run")
-    fleet.wait_for(lambda: all("was cancelled (producer cancel)" in fleet.worker_log(g) for g in range(2)), 30,
+    fleet.wait_for(lambda: all("run cx cancelled: dropped" in fleet.worker_log(g) for g in range(2)), 30,
                    "both workers to say the run was cancelled")
     # ... and not one request more reached a simulator while every worker lived three more lease beats
     # (3 s of lease, a beat a second), as its own status records show: the cancelled prompts never ran
@@ -99,6 +100,56 @@ def test_cancel_mid_run_drops_queued_and_in_flight_prompts(fleets: Callable[...,
     # The run takes no more prompts: enqueue refuses.
     again = fleet.producer("enqueue", "prompts.jsonl", check=False)
     assert again.returncode == 2 and "was cancelled" in again.stderr
+
+
+def test_after_producer_cancel_every_server_stops_within_a_second_and_each_worker_says_so_once(
+        fleets: Callable[..., Fleet], r: redis.Redis) -> None:
+    """Long generations in flight on both GPUs; `producer cancel`. Leases of 900 s (renewed every 300 s)
+    keep the lease beat out of it: only the announced drop (`bf:<run>:drop`, `bf:<run>:signals`) can
+    stop the workers in time. Within 1 s of the cancel returning no server runs or queues a request,
+    and no server is asked for more; each server was told to abort each dropped request by its rid
+    (`POST /abort_request`, as SGLang takes it); each worker says one true line, none of the lease or
+    recovery lines that a cancel is not."""
+    fleet = fleets(run="cz", prefix="cz.", gpus=2,
+                   env={"BATCHFLEET_LEASE_TTL_S": "900", "SGLANG_SIM_TIME_SCALE": "1"})
+    write_prompts(fleet.tmp / "prompts.jsonl", 60, max_tokens=1500)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues, "--no-progress")
+    for g in range(2):
+        fleet.start_worker(g)
+    def running(g: int) -> int:
+        try:
+            return observed(fleet, g)["running"]
+        except httpx.HTTPError:  # not up yet
+            return 0
+
+    fleet.wait_for(lambda: all(running(g) > 0 for g in range(2)), 120, "generations running on both servers")
+
+    done = fleet.producer("cancel", "--wait", "30", check=False, timeout_s=120)
+    stopped_by = time.monotonic() + 1.0
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"  # both workers confirmed (not at a lease beat)
+    while not all((o := observed(fleet, g))["running"] + o["queued"] == 0 for g in range(2)):
+        assert time.monotonic() < stopped_by, [observed(fleet, g) for g in range(2)]
+        time.sleep(0.05)
+    seen = [observed(fleet, g) for g in range(2)]
+    time.sleep(2.0)  # the counts must stay put: nothing generates, nothing more is sent
+    after = [observed(fleet, g) for g in range(2)]
+    for before, now in zip(seen, after, strict=True):
+        assert (now["requests_total"], now["generation_tokens_total"]) == \
+            (before["requests_total"], before["generation_tokens_total"])
+
+    m = re.search(r"2 live worker\(s\) dropped (\d+) in-flight prompt", done.stdout)
+    assert m, done.stdout
+    dropped = []
+    for g in range(2):
+        text = fleet.worker_log(g)
+        lines = re.findall(r"run cz cancelled: dropped (\d+) in flight", text)
+        assert len(lines) == 1, text[-3000:]
+        dropped.append(int(lines[0]))
+        assert "lost the lease" not in text and "already recovered" not in text, text[-3000:]
+    assert all(n > 0 for n in dropped) and sum(dropped) == int(m.group(1))
+    # each dropped request was aborted by its rid, in the server that ran it
+    assert [o["abort_calls"] for o in after] == dropped
+    assert all(o["aborted_total"] >= n for o, n in zip(after, dropped, strict=True))
 
 
 def test_purge_removes_every_key_of_the_run_and_only_its(fleets: Callable[..., Fleet], r: redis.Redis) -> None:

@@ -38,7 +38,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import Enum, Flag
 from typing import Any, Protocol
@@ -59,7 +60,7 @@ from .ledger import MAX_STRIKES, Claim, ClaimKind, DeathOutcome, Ledger, parse_j
 from .redislink import LINK
 from .slots import Slots, Turnover, surplus_cap
 
-__all__ = ["Backend", "Dispatcher", "Flight", "FlightState", "Mode"]
+__all__ = ["REQUEST_ID", "Backend", "Dispatcher", "Flight", "FlightState", "Mode"]
 
 log = logging.getLogger("batchfleet.worker.dispatcher")
 
@@ -74,6 +75,10 @@ LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
 # and where finishes come faster than the surplus can grow (it is at most the capacity), half of it
 # triggers the claim sooner: the server's slots never wait for the gathering.
 CLAIM_GATHER_S = 0.02
+# The SGLang request id (`rid`) of the request the current task is sending: `<job id>-<session>-<attempt>`,
+# set by the dispatcher before each call of the backend, which puts it in the request body (SGLang's
+# OpenAI endpoints take `rid`). A cancel aborts the request by it (`POST /abort_request`).
+REQUEST_ID: ContextVar[str | None] = ContextVar("batchfleet_request_id", default=None)
 
 
 class Backend(Protocol):
@@ -169,6 +174,7 @@ class Flight:
     attempts: int = 0
     state: FlightState = FlightState.OUTSIDE
     sent_at: float = 0.0  # time.monotonic() when its request was last sent
+    rid: str = ""  # the SGLang request id of its latest request (REQUEST_ID)
 
     @property
     def settled(self) -> bool:
@@ -179,7 +185,8 @@ class Dispatcher:
     def __init__(self, ledger: Ledger, backend: Backend, *, config: Config, worker: str,
                  queues: Callable[[], list[str]], server_ok: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] | None = None,
-                 on_completion: Callable[[int], None] = lambda tokens: None) -> None:
+                 on_completion: Callable[[int], None] = lambda tokens: None,
+                 abort: Callable[[list[str]], Awaitable[object]] | None = None) -> None:
         self.ledger = ledger
         self.backend = backend
         self.config = config
@@ -188,6 +195,7 @@ class Dispatcher:
         self.server_ok = server_ok
         self.clock = clock or _wall_clock
         self.on_completion = on_completion  # completion tokens of each success (throughput meter)
+        self.abort = abort  # aborts requests in the server by their rids (a cancel)
         self.scrub = Scrubber.for_config(config)  # error texts become results, exports and log lines
         self.slots = Slots(0)
         self.capacity = 0  # what the server runs at once (the semaphore admits capacity + surplus)
@@ -421,6 +429,8 @@ class Dispatcher:
                 before = flight.state
                 flight.state = before.sent()
                 flight.sent_at = time.monotonic()
+                flight.rid = f"{claim.jid}-{self.ledger.session}-{flight.attempts}"
+                REQUEST_ID.set(flight.rid)
                 try:
                     body = await self.backend(prompt)
                 except RetryableError as exc:
@@ -624,15 +634,34 @@ class Dispatcher:
                       attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
 
     async def cancel(self) -> int:
-        """The run was cancelled: claim nothing more of it; cancel every in-flight prompt (its request
-        is closed: the server aborts it), release its lease and publish nothing. Returns how many."""
+        """The run was cancelled: claim nothing more of it; drop every in-flight prompt (`drop`).
+        Returns how many."""
         self._set_mode(self._mode | Mode.CANCELLED)
-        flights = [(t, f) for t, f in self.tasks.items() if not f.settled]
+        return await self._drop([(t, f) for t, f in self.tasks.items() if not f.settled])
+
+    async def drop_cancelled(self, jids: Collection[str]) -> int:
+        """These prompts were cancelled (`Keys.drop`: a batch, or the whole run): drop those in flight
+        here. Returns how many."""
+        return await self._drop([(t, f) for t, f in self.tasks.items()
+                                 if f.claim.jid in jids and f.state.held_by_task])
+
+    async def _drop(self, flights: list[tuple[asyncio.Task[None], Flight]]) -> int:
+        """Stop these prompts now: their tasks are cancelled (their connections close), the server is
+        told to abort their requests (`abort`, by rid: SGLang notices a closed connection only seconds
+        later), their leases are released and nothing is published for them."""
         for _, flight in flights:
             flight.state = flight.state.lost()
-        await self._collect([t for t, _ in flights])
         dropped = [f for _, f in flights if f.state is _LOST]
-        await self.ledger.drop([f.claim for f in dropped])
+        inside = [f.rid for f in dropped if f.rid and f.attempts]
+        collecting = asyncio.ensure_future(self._collect([t for t, f in flights if f.state is _LOST]))
+        if inside and self.abort is not None:
+            try:
+                await self.abort(inside)
+            except Exception as exc:  # the closed connections abort them too, later
+                log.warning("could not abort %d request(s) in the server (%s)", len(inside), exc)
+        await collecting
+        with contextlib.suppress(redis.RedisError, OSError):  # the producer removed their leases already
+            await self.ledger.drop([f.claim for f in dropped])
         self.dropped += len(dropped)
         return len(dropped)
 

@@ -23,13 +23,17 @@ log = logging.getLogger("batchfleet.worker")
 
 class LeaseKeeper:
     def __init__(self, ledger: Ledger, *, on_lost: Callable[[list[str]], None],
+                 before: Callable[[], Awaitable[object]] | None = None,
                  also: Callable[[], Awaitable[object]] | None = None) -> None:
         self.ledger = ledger
         self.on_lost = on_lost
+        self.before = before  # before renewing: drop cancelled prompts (their leases were removed, not lost)
         self.also = also  # paced with the leases: the run-marker check (Redis lost the run's data?)
         self.period_s = max(0.5, ledger.lease_ttl_s / 3)
 
     async def beat(self) -> None:
+        if self.before is not None:
+            await self.before()
         lost = await self.ledger.renew()
         if lost:
             log.warning("lost the lease of %d prompt(s) (requeued by another worker while this one was silent); "

@@ -256,7 +256,20 @@ class Ledger:
             self.results_backlog = int(backlog)
             if stale:
                 self.stale += len(stale)
-                log.warning("%d finished prompt(s) were already recovered by another worker; dropped", len(stale))
+                cancelled = await self._cancelled([j.decode() for j in stale])
+                if cancelled:
+                    log.info("%d finished prompt(s) were cancelled meanwhile; dropped", cancelled)
+                if len(stale) > cancelled:
+                    log.warning("%d finished prompt(s) were already recovered by another worker; dropped",
+                                len(stale) - cancelled)
+
+    async def _cancelled(self, jids: list[str]) -> int:
+        """How many of these jobs were cancelled (`Keys.drop`): a refused finish of theirs is no sign of
+        another worker."""
+        try:
+            return sum(1 for f in await self.r.smismember(self.k.drop, jids) if f)
+        except (redis.RedisError, OSError):
+            return 0
 
     async def refresh_backlog(self) -> int:
         """How long the results stream is now (a paused worker asks while it waits for the collector)."""

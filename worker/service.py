@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
+from batchfleet import sglang
 from batchfleet.config import Config
 from batchfleet.connection import redacted
 from batchfleet.errors import ConfigError
@@ -34,7 +36,8 @@ from batchfleet.records import EventKind, Prompt, WorkerStatus
 from batchfleet.redact import Scrubber
 
 from .clock import Clock
-from .dispatcher import Dispatcher
+from .dispatcher import REQUEST_ID, Dispatcher
+from .drops import DropWatch
 from .events import EventLog
 from .keeper import ServerKeeper
 from .leases import LeaseKeeper
@@ -74,7 +77,7 @@ class GPUService:
                                 period_s=max(0.5, config.lease_ttl_s / 3))
         self.dispatcher = Dispatcher(self.ledger, self._generate, config=config, worker=worker, queues=self.steal,
                                      server_ok=self._server_ok, clock=self.clock,
-                                     on_completion=self.meter.note_completion)
+                                     on_completion=self.meter.note_completion, abort=self._abort)
         self.spec = SpecFollower(config, client, self.k, worker=worker, queue=queue, gpu=gpu, events=self.events,
                                  current=lambda: self.server.spec if self.server.running else None)
         self.publisher = StatusPublisher(client, self.k, snapshot=self.snapshot)
@@ -84,7 +87,11 @@ class GPUService:
         self.keeper = ServerKeeper(config, self.server, self.dispatcher, self.spec, self.events, gpu=gpu,
                                    publish=self.reporter.publish_now)
         self._marker = MarkerWatch(self.k, log)  # says so when Redis loses the run's data
-        self.leases = LeaseKeeper(self.ledger, on_lost=self.dispatcher.drop_lost, also=self._upkeep)
+        # Cancelled prompts: dropped on the producer's signal, and checked again before each lease renewal
+        self.drops = DropWatch(client, self.k, held=lambda: list(self.ledger.held),
+                               drop=self.dispatcher.drop_cancelled, on_check=self._check_cancel)
+        self.leases = LeaseKeeper(self.ledger, on_lost=self.dispatcher.drop_lost, before=self.drops.check,
+                                  also=self._check_marker)
         self._acked = False  # this worker acknowledged the run's cancel flag
         self.stop_requested = asyncio.Event()
         self.exit_code = 0
@@ -98,7 +105,8 @@ class GPUService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         flusher = asyncio.create_task(self.ledger.run_flusher())
-        others = [asyncio.create_task(c) for c in (self.leases.run(), self.steal.run(), self.reporter.run())]
+        others = [asyncio.create_task(c) for c in (self.leases.run(), self.steal.run(), self.reporter.run(),
+                                                   self.drops.run())]
         serving = asyncio.create_task(self.keeper.run())
         claiming = asyncio.create_task(self.dispatcher.run(burst=burst))
         stop = asyncio.create_task(self.stop_requested.wait())
@@ -165,13 +173,11 @@ class GPUService:
         self.stop_requested.set()
 
     # --- wiring ----------------------------------------------------------------------------------------
-    async def _upkeep(self) -> None:
-        await self._check_marker()
-        await self._check_cancel()
-
-    async def _check_cancel(self) -> None:
-        """`producer cancel` raised the run's flag: drop the run's in-flight prompts, claim no more, and
-        acknowledge (`ack:<worker>` = prompts dropped). A flag that goes away (purge) lifts it."""
+    async def _check_cancel(self, dropped: int = 0) -> None:
+        """After the drop check (`DropWatch`, which dropped `dropped` cancelled prompts in flight): if
+        `producer cancel` raised the run's flag, drop the rest of the run's in-flight prompts, claim no
+        more, say so in one line and acknowledge (`ack:<worker>` = prompts dropped). A flag that goes
+        away (purge) lifts it."""
         d = self.dispatcher
         if await self.r.hget(self.k.cancel, "at") is None:
             if d.cancelled:
@@ -179,11 +185,15 @@ class GPUService:
                 self._acked = False
                 log.warning("run %s is no longer cancelled (its flag %s is gone): taking work again",
                             self.k.run, self.k.cancel)
+            elif dropped:  # a part of the run (a `batchfleet serve` batch) was cancelled
+                log.warning("run %s: %d cancelled prompt(s) dropped in flight", self.k.run, dropped)
             return
-        if not d.cancelled:
-            log.warning("run %s was cancelled (producer cancel): dropping %d in-flight prompt(s), taking no more work "
-                        "of it", self.k.run, len(d.tasks))
-        dropped = await d.cancel()
+        first = not d.cancelled
+        dropped += await d.cancel()
+        if first:
+            log.warning("run %s cancelled: dropped %d in flight", self.k.run, dropped)
+        elif dropped:
+            log.warning("run %s cancelled: dropped %d more in flight", self.k.run, dropped)
         if dropped or not self._acked:
             await self.r.hincrby(self.k.cancel, Keys.CANCEL_ACK_PREFIX + self.worker, dropped)
             self._acked = True
@@ -196,7 +206,15 @@ class GPUService:
         return self.keeper.serving()
 
     async def _generate(self, prompt: Prompt) -> dict:
+        rid = REQUEST_ID.get()
+        if rid:  # SGLang's OpenAI endpoints take `rid`: a cancel aborts the request by it
+            prompt = dataclasses.replace(prompt, body={**prompt.body, "rid": rid})
         return await self.keeper.generate(prompt)
+
+    async def _abort(self, rids: list[str]) -> None:
+        http = self.keeper.http
+        if http is not None and self.keeper.serving():
+            await sglang.abort_requests(http, rids)
 
     def snapshot(self) -> WorkerStatus:
         return WorkerStatus(

@@ -18,7 +18,7 @@ under `bf:<run>:`.
 | rq:pubsub:<name> | channel | RQ | RQ's commands to one worker (`shutdown`: drain, exit 75) |
 | bf:<run>:leases | zset | worker | `rqlayout.execution_member` -> expiry, Redis's clock (TIME); lapses if not renewed |
 | bf:<run>:strikes | hash | worker | job id -> server deaths it was in (STRIKES_TTL_S; field gone when it finishes) |
-| bf:<run>:suspects | list | worker | queued job ids with 1 strike: a worker runs at most one beside its normal work |
+| bf:<run>:suspects | list | worker | queued job ids with 1 strike: run in groups, one per worker at a time |
 | bf:<run>:isolate | list | worker | queued job ids with 2 strikes: a worker reserves one, drains, and runs it alone |
 | bf:<run>:done | set | worker/collector | job ids whose result is in the stream but not yet collected |
 | bf:<run>:results | stream | worker | result records on their way to the collector (bounded by it) |

@@ -134,6 +134,69 @@ def test_a_poison_prompt_is_quarantined_after_three_server_deaths_and_no_bystand
           f"{rate('first_death', 'quarantined'):.0f}, second batch {rate('second_batch', 'all_done'):.0f}")
 
 
+# --- issue 21 §3: the innocent prompts a death struck run at the fleet's pace --------------------------------
+def _observed(fleet: Fleet, gpu: int) -> dict | None:
+    """What the simulator of `gpu` sees now (None while it is down)."""
+    import httpx
+
+    try:
+        return httpx.get(f"http://127.0.0.1:{fleet.port_base + gpu}/sim/observed", timeout=5).json()
+    except httpx.HTTPError:
+        return None
+
+
+def test_prompts_struck_by_server_kills_run_in_groups_not_one_at_a_time_and_none_fails(tmp_path, fleets):
+    """Every prompt of the run is inside the two servers when both are killed with -9: all 40 are struck
+    (no poison among them). The restarted servers run them many at a time (the old rule ran one
+    suspect per worker: a server's peak of running requests was 1). A third kill lands on a group of
+    them: only that group goes on to run alone. results == prompts, none twice, none failed."""
+    n = 40
+    fleet = fleets(run="struck", prefix="struck.", gpus=2,
+                   env={"SGLANG_SIM_TIME_SCALE": "0.5", "BATCHFLEET_SURPLUS": "12"})
+    rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=200)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    for g in range(2):
+        fleet.start_worker(g)
+
+    def inside() -> int:
+        seen = [_observed(fleet, g) for g in range(2)]
+        return sum(o["running"] + o["queued"] for o in seen if o)
+
+    fleet.wait_for(lambda: inside() == n and fleet.finished() == 0, 120, f"all {n} prompts inside the servers")
+    first = [_observed(fleet, g)["pid"] for g in range(2)]  # type: ignore[index]
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)  # deaths 1 and 2: every prompt struck once
+
+    def restarted(g: int) -> dict | None:
+        o = _observed(fleet, g)
+        return o if o and o["pid"] not in first and o["ready"] else None
+
+    fleet.wait_for(lambda: all(restarted(g) for g in range(2)), 120, "both servers restarted")
+    fleet.wait_for(lambda: (restarted(0) or {}).get("running", 0) >= 2, 60, "a group of struck prompts on gpu0")
+    second = restarted(0)
+    assert second is not None
+    os.kill(second["pid"], signal.SIGKILL)  # death 3: lands on a group, whose members then run alone
+
+    fleet.wait_for(lambda: fleet.finished() >= n, 240, "every prompt to finish")
+    last_gpu1 = _observed(fleet, 1)
+    stats = fleet.stats()
+    assert fleet.stop_all() == {0: 0, 1: 0}
+    assert stats["server_deaths"] == 3 and stats.get("quarantined", 0) == 0 and stats.get("failed", 0) == 0
+    assert stats["succeeded"] == n and stats["struck"] >= n
+    # The struck prompts ran side by side after the deaths, not one at a time (a structural fact of
+    # what the servers saw: the restarted servers ran several requests at once, and nothing but
+    # struck prompts was left to run).
+    assert second["peak_running"] >= 6, second
+    assert last_gpu1 is not None and last_gpu1["pid"] not in first and last_gpu1["peak_running"] >= 6, last_gpu1
+    by_id = export(fleet, tmp_path)
+    assert sorted(by_id) == sorted(r["id"] for r in rows)  # results == prompts, exactly once each
+    for row in rows:
+        assert by_id[row["id"]]["error"] is None, by_id[row["id"]]
+        assert text_of(by_id[row["id"]]["response"]["body"]) == expected_text(row)
+    k = Keys("struck")
+    assert fleet.r.llen(k.suspects) == 0 and fleet.r.llen(k.isolate) == 0 and fleet.r.hlen(k.strikes) == 0
+
+
 # --- 7.5: one worker per GPU per host ---------------------------------------------------------------------
 def test_a_second_worker_for_the_same_gpu_refuses_to_start_and_the_lock_dies_with_its_owner(tmp_path, fleets):
     n = 120

@@ -168,8 +168,8 @@ async def _play_workers(check: KeyCheck, k: Keys) -> None:
     for queue, line in (("gpu0", k.isolate), ("gpu1", k.suspects)):
         jid = admin.rpop(Keys.queue(queue))
         admin.rpush(line, jid)
-    (solo,) = await a.claim(2, queues, take_suspect=True, take_solo=True)
-    suspect, normal = await a.claim(2, queues, take_suspect=True, take_solo=True)
+    (solo,) = await a.claim(2, queues, suspects=1, take_solo=True)
+    suspect, normal = await a.claim(2, queues, suspects=1, take_solo=True)
     assert (solo.kind, suspect.kind, normal.kind) == ("solo", "suspect", "normal")
     assert await a.drop([solo]) == 1
     assert await a.refeed(suspect, "p-refed") is True

@@ -218,27 +218,46 @@ def test_a_bystander_never_reaches_quarantine_however_often_it_shares_a_death(se
     assert r.xlen(K.results) == 0
 
 
-def test_claims_take_one_suspect_and_a_solo_prompt_comes_alone(server, r, clock):
-    jids = make_jobs(r, 6)
-    r.lrem(Keys.queue("gpu0"), 0, "j0")
-    r.lrem(Keys.queue("gpu0"), 0, "j1")
-    r.lrem(Keys.queue("gpu0"), 0, "j2")
-    r.rpush(K.suspects, "j0", "j1")
-    r.rpush(K.isolate, "j2")
+def test_claims_take_a_group_of_suspects_beside_normal_work_and_a_solo_prompt_comes_alone(server, r, clock):
+    """Issue 21 §3 (the rule changed from "at most one suspect per worker"): a claim takes a group of up
+    to `suspects` suspects, then normal work; a worker with a group in flight asks for none."""
+    jids = make_jobs(r, 8)
+    for j in ("j0", "j1", "j2", "j3"):
+        r.lrem(Keys.queue("gpu0"), 0, j)
+    r.rpush(K.suspects, "j0", "j1", "j2")
+    r.rpush(K.isolate, "j3")
 
     async def go():
         ledger = await _ledger(server)
-        solo = await ledger.claim(4, ["gpu0"], take_suspect=True, take_solo=True)
-        mixed = await ledger.claim(4, ["gpu0"], take_suspect=True, take_solo=True)
-        normal = await ledger.claim(4, ["gpu0"], take_suspect=False, take_solo=True)
+        solo = await ledger.claim(4, ["gpu0"], suspects=2, take_solo=True)
+        mixed = await ledger.claim(4, ["gpu0"], suspects=2, take_solo=True)
+        normal = await ledger.claim(4, ["gpu0"], suspects=0, take_solo=True)
         return solo, mixed, normal
 
     solo, mixed, normal = run(go())
-    assert [(c.jid, c.kind) for c in solo] == [("j2", ClaimKind.SOLO)]
-    assert [(c.jid, c.kind) for c in mixed] == [("j0", ClaimKind.SUSPECT), ("j3", ClaimKind.NORMAL),
+    assert [(c.jid, c.kind) for c in solo] == [("j3", ClaimKind.SOLO)]
+    assert [(c.jid, c.kind) for c in mixed] == [("j0", ClaimKind.SUSPECT), ("j1", ClaimKind.SUSPECT),
                                                 ("j4", ClaimKind.NORMAL), ("j5", ClaimKind.NORMAL)]
-    assert normal == [] and r.lrange(K.suspects, 0, -1) == [b"j1"]  # not asked: the suspect waits
+    assert [(c.jid, c.kind) for c in normal] == [("j6", ClaimKind.NORMAL), ("j7", ClaimKind.NORMAL)]
+    assert r.lrange(K.suspects, 0, -1) == [b"j2"]  # not asked (a group in flight): the suspect waits
     assert jids
+
+
+def test_when_the_queues_are_dry_a_group_of_suspects_fills_the_free_slots(server, r, clock):
+    make_jobs(r, 1)
+    r.rpush(K.suspects, *[f"s{i}" for i in range(10)])
+    for i in range(10):
+        r.hset(Keys.job(f"s{i}"), mapping={"data": b"x", "origin": "gpu0", "status": "queued"})
+
+    async def go():
+        ledger = await _ledger(server)
+        return await ledger.claim(8, ["gpu0"], suspects=2, suspects_dry=6)
+
+    got = run(go())
+    assert [(c.jid, c.kind) for c in got] == [("s0", ClaimKind.SUSPECT), ("s1", ClaimKind.SUSPECT),
+                                              ("j0", ClaimKind.NORMAL)] + [
+                                                 (f"s{i}", ClaimKind.SUSPECT) for i in range(2, 6)]
+    assert r.llen(K.suspects) == 4
 
 
 def test_a_stray_copy_of_a_running_job_is_never_claimed_twice(server, r, clock):

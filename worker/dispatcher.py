@@ -27,9 +27,13 @@ The dispatcher's `Mode` says what holds the claim loop back, and only its own me
 `cancel`/`uncancel` (the run's flag), `server_checked` (the keeper, after TROUBLE). Each claimed
 prompt's `FlightState` says where its request is and who ends it.
 
-A claimed job is NORMAL (runs beside anything), a SUSPECT (one strike: at most one per worker at a
-time) or SOLO (two strikes: the claim loop stops, the other prompts finish, it runs alone, then the
-loop resumes).
+A claimed job is NORMAL (runs beside anything), a SUSPECT (one strike) or SOLO (two strikes: the
+claim loop stops, the other prompts finish, it runs alone, then the loop resumes). Suspects run in
+groups, one group per worker at a time, beside normal work: a worker takes a group (up to
+SUSPECT_GROUP_MAX, half its capacity; its whole capacity when the queues are dry) only when its
+previous group has finished. So a death strikes the suspects of one group at most, and only they go
+on to run alone: a poison prompt costs at most three deaths (the one that struck it, its group's,
+its own alone), and the innocent prompts a death struck run at the fleet's pace, not one per worker.
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
 # and where finishes come faster than the surplus can grow (it is at most the capacity), half of it
 # triggers the claim sooner: the server's slots never wait for the gathering.
 CLAIM_GATHER_S = 0.02
+# Suspects (one strike) a worker runs as one group beside normal work; when its queues are dry, a group
+# fills its whole capacity. A death while a group runs sends its members to run alone (two strikes):
+# the group's size is what such a death costs, and what the struck prompts gain in pace.
+SUSPECT_GROUP_MAX = 8
 # The SGLang request id (`rid`) of the request the current task is sending: `<job id>-<session>-<attempt>`,
 # set by the dispatcher before each call of the backend, which puts it in the request body (SGLang's
 # OpenAI endpoints take `rid`). A cancel aborts the request by it (`POST /abort_request`).
@@ -214,7 +222,7 @@ class Dispatcher:
         self.struck = 0
         self.quarantined = 0
         self.dropped = 0  # in-flight prompts dropped because the run was cancelled
-        self._suspect: asyncio.Task[None] | None = None  # the one suspect this worker runs, if any
+        self._group: set[asyncio.Task[None]] = set()  # the group of suspects this worker runs, if any
         self._solo: asyncio.Task[None] | None = None  # the prompt running alone, if any
         self.retry_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # tests swap it out
         self._paused_said = False
@@ -327,8 +335,9 @@ class Dispatcher:
                 await self._wait_for_collector()
                 continue
             try:
-                claims = await self.ledger.claim(took, self.queues(), take_suspect=self._suspect is None,
-                                                 take_solo=True)
+                group = 0 if self._group else max(1, min(SUSPECT_GROUP_MAX, self.capacity // 2))
+                claims = await self.ledger.claim(took, self.queues(), suspects=group,
+                                                 suspects_dry=max(group, self.capacity), take_solo=True)
             except (redis.RedisError, OSError) as exc:
                 # Redis restarting or unreachable: in-flight prompts keep running; claim again later.
                 self.slots.release(took)
@@ -380,7 +389,7 @@ class Dispatcher:
         self.tasks[task] = flight
         task.add_done_callback(self._reap_task)
         if claim.kind is ClaimKind.SUSPECT:
-            self._suspect = task
+            self._group.add(task)
         elif claim.kind is ClaimKind.SOLO:
             self._solo = task
             log.warning("prompt %s was inside %d dead servers: running it alone once the %d prompt(s) in flight "
@@ -406,8 +415,7 @@ class Dispatcher:
 
     def _reap_task(self, task: asyncio.Task[None]) -> None:
         self.tasks.pop(task, None)
-        if task is self._suspect:
-            self._suspect = None
+        self._group.discard(task)
         if task is self._solo:
             self._solo = None
         if not task.cancelled() and task.exception() is not None:

@@ -18,15 +18,19 @@ every GPU. So when a server dies (or hangs and is killed), the prompts that were
 strike, counted in `Keys.strikes` (it outlives any worker), atomically with putting them back:
 
     strikes 0 -> its queue            (ordinary hand-back: shutdown, restart, worker death)
-    strikes 1 -> Keys.suspects        a worker runs at most ONE suspect beside its normal work
+    strikes 1 -> Keys.suspects        a worker runs ONE GROUP of suspects at a time beside its normal
+                                      work (see `dispatcher`): a struck set runs at the fleet's pace
     strikes 2 -> Keys.isolate         a worker reserves it, lets its other prompts finish, runs it
                                       alone, then resumes
     strike MAX_STRIKES, and it was alone in the server -> quarantined: failed with `server_crash`,
                                       the reason and the server log's tail; never run again
 
-A prompt that was not alone is never struck past MAX_STRIKES - 1, so a bystander can never be
-failed for sharing a batch with a poison. A worker killed with -9 is not a server death: its leases
-lapse and its prompts go back with the strikes they had.
+A death strikes the suspects of one group at most (a worker takes a new group only when its last one
+has finished), so only those go on to run alone: a poison prompt costs three deaths (the one that
+struck it, its group's, its own alone). A prompt that was not alone is never struck past
+MAX_STRIKES - 1, so a bystander can never be failed for sharing a batch with a poison. A worker
+killed with -9 is not a server death: its leases lapse and its prompts go back with the strikes they
+had.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ FLUSH_GATHER_MAX = 200
 # of jobs a script finds inside: `claim` pops job ids from lists, `recover` reads them from lapsed leases.
 CLAIM = Script("worker", "claim",
                keys=("leases", "suspects", "isolate", Each("queues")),
-               argv=("n", "session", "lease_ttl", "started_ttl", "worker", "take_suspect", "take_solo",
+               argv=("n", "session", "lease_ttl", "started_ttl", "worker", "suspects_n", "suspects_dry", "take_solo",
                      Each("queue_names")),  # parallel to queues
                derives=("job_key", "started_key"))
 RENEW = Script("worker", "renew", keys=("leases",), argv=("lease_ttl", "session", Each("jids")))
@@ -96,7 +100,7 @@ class ClaimKind(StrEnum):
     """Where a claimed job came from, which says how it may run."""
 
     NORMAL = "normal"  # a queue: runs beside anything
-    SUSPECT = "suspect"  # one strike: at most one per worker at a time
+    SUSPECT = "suspect"  # one strike: runs in a group, one group per worker at a time
     SOLO = "solo"  # two strikes: runs alone in its server
 
 
@@ -161,18 +165,21 @@ class Ledger:
                               "isolate": k.isolate}
 
     # --- claim -------------------------------------------------------------------------------------
-    async def claim(self, n: int, queues: list[str], *, take_suspect: bool = False,
+    async def claim(self, n: int, queues: list[str], *, suspects: int = 0, suspects_dry: int | None = None,
                     take_solo: bool = False) -> list[Claim]:
         """Up to `n` jobs: first (if asked) one prompt that must run alone, which then comes alone;
-        else (if asked) one suspect, then the queues in order."""
+        else a group of up to `suspects` suspects (0: none), then the queues in order; slots the queues
+        left empty go to more suspects, up to `suspects_dry` in the group (default `suspects`)."""
         if (n <= 0 or not queues) and not take_solo:
             return []
+        group = max(suspects, 0)
+        group_dry = max(group, suspects_dry or 0) if group else 0
         raw = await CLAIM.acall(
             self.r, keys={"leases": self.k.leases, "suspects": self.k.suspects, "isolate": self.k.isolate,
                           "queues": [Keys.queue(q) for q in queues]},
             args={"n": max(n, 0), "session": self.session, "lease_ttl": self.lease_ttl_s,
-                  "started_ttl": keys.STARTED_REGISTRY_TTL_S, "worker": self.worker, "take_suspect": int(take_suspect),
-                  "take_solo": int(take_solo), "queue_names": queues})
+                  "started_ttl": keys.STARTED_REGISTRY_TTL_S, "worker": self.worker, "suspects_n": group,
+                  "suspects_dry": group_dry, "take_solo": int(take_solo), "queue_names": queues})
         now = time.monotonic()
         claims = []
         for i in range(0, len(raw), 4):

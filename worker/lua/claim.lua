@@ -1,6 +1,7 @@
 -- Claim up to `n` jobs: first (take_solo = '1') one prompt that must run alone, which then comes
--- alone; else (take_suspect = '1') one suspect, then the queues in order. Each claimed job is marked
--- started (RQ's fields), entered in its origin's started registry and leased, on Redis's clock.
+-- alone; else a group of up to `suspects` suspects (0: none), then the queues in order; if the queues
+-- left slots empty, the group grows to up to `suspects_dry`. Each claimed job is marked started (RQ's
+-- fields), entered in its origin's started registry and leased, on Redis's clock.
 -- -> flat (jid, origin, data, kind) per claimed job, kind 'normal', 'suspect' or 'solo'.
 local s, us = clock()
 local now, now_iso = s + us / 1e6, iso(s, us)
@@ -29,7 +30,10 @@ local function pop_one(list, kind)
 end
 if take_solo == '1' and pop_one(isolate, 'solo') then return out end
 if want <= 0 then return out end
-if take_suspect == '1' and pop_one(suspects, 'suspect') then taken = 1 end
+local group, group_dry = math.min(tonumber(suspects_n), want), math.min(tonumber(suspects_dry), want)
+local grouped = 0
+while grouped < group and pop_one(suspects, 'suspect') do grouped = grouped + 1 end
+taken = grouped
 for i = queues_first, queues_last do
   if taken >= want then break end
   local ids = redis.call('LPOP', KEYS[i], want - taken)
@@ -37,6 +41,11 @@ for i = queues_first, queues_last do
     for _, jid in ipairs(ids) do
       if take(jid, ARGV[queue_names_first + i - queues_first], 'normal') then taken = taken + 1 end
     end
+  end
+end
+if group > 0 then  -- the queues are dry: nothing waits for these slots but suspects
+  while grouped < group_dry and taken < want and pop_one(suspects, 'suspect') do
+    grouped, taken = grouped + 1, taken + 1
   end
 end
 return out

@@ -30,7 +30,7 @@ prompt's `FlightState` says where its request is and who ends it.
 A claimed job is NORMAL (runs beside anything), a SUSPECT (one strike) or SOLO (two strikes: the
 claim loop stops, the other prompts finish, it runs alone, then the loop resumes). Suspects run in
 groups, one group per worker at a time, beside normal work: a worker takes a group (up to
-SUSPECT_GROUP_MAX, half its capacity; its whole capacity when the queues are dry) only when its
+SUSPECT_GROUP_MAX, half its capacity; all its free slots when the queues are dry) only when its
 previous group has finished. So a death strikes the suspects of one group at most, and only they go
 on to run alone: a poison prompt costs at most three deaths (the one that struck it, its group's,
 its own alone), and the innocent prompts a death struck run at the fleet's pace, not one per worker.
@@ -80,7 +80,7 @@ LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
 # triggers the claim sooner: the server's slots never wait for the gathering.
 CLAIM_GATHER_S = 0.02
 # Suspects (one strike) a worker runs as one group beside normal work; when its queues are dry, a group
-# fills its whole capacity. A death while a group runs sends its members to run alone (two strikes):
+# fills its free slots (capacity + surplus). A death while a group runs sends its members to run alone (two strikes):
 # the group's size is what such a death costs, and what the struck prompts gain in pace.
 SUSPECT_GROUP_MAX = 8
 # The SGLang request id (`rid`) of the request the current task is sending: `<job id>-<session>-<attempt>`,
@@ -337,7 +337,7 @@ class Dispatcher:
             try:
                 group = 0 if self._group else max(1, min(SUSPECT_GROUP_MAX, self.capacity // 2))
                 claims = await self.ledger.claim(took, self.queues(), suspects=group,
-                                                 suspects_dry=max(group, self.capacity), take_solo=True)
+                                                 suspects_dry=max(group, self.slots.capacity), take_solo=True)
             except (redis.RedisError, OSError) as exc:
                 # Redis restarting or unreachable: in-flight prompts keep running; claim again later.
                 self.slots.release(took)

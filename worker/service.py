@@ -5,6 +5,7 @@ the process's start and stop:
 - `SpecFollower` (spec.py): which server spec the supervisor asks for (bad specs refused);
 - `Dispatcher` (dispatcher.py): keeps the server exactly full; `Ledger` (ledger.py): Redis bookkeeping;
 - `LeaseKeeper` (leases.py): lease renewal and recovery of dead workers' prompts;
+- `DropWatch` (drops.py): cancelled prompts (`Keys.drop`, `Keys.signals`) dropped in flight at once;
 - `StealOrder` (steal.py): which queues to take from, own queue first;
 - `StatusReporter`, `StatusPublisher` (status.py) and `ThroughputMeter` (meter.py): the status record;
 - `EventLog` (events.py) and `Clock` (clock.py).

@@ -6,10 +6,11 @@ again after a crash):
 
   1. the store marks every WAITING prompt (of the span) CANCELLED (the head never feeds it); a
      whole run is marked cancelled (`cancelled_at`: the head feeds nothing more);
-  2. a whole run's cancel flag `Keys.cancel` is set: each worker of the run, at its next lease beat,
-     stops claiming, cancels its in-flight requests (their HTTP connections close: the server aborts
-     them), releases their leases without putting them back, publishes nothing for them, and
-     acknowledges (`ack:<worker>` = prompts it dropped);
+  2. a whole run's cancel flag `Keys.cancel` is set: each worker of the run, when it next checks (the
+     announcement of step 4, else its lease beat), stops claiming, cancels its in-flight requests
+     (aborted in the server by their rids; their HTTP connections close), releases their leases
+     without putting them back, publishes nothing for them, and acknowledges (`ack:<worker>` =
+     prompts it dropped);
   3. `scripts.CANCEL` removes each fed prompt's job atomically: queued (its queue, `suspects`, `isolate`),
      started (its leases and started-registry entries: a late finish of it is refused as stale) or
      failed without a result; a job whose result is in the stream is left to be collected;

@@ -6,6 +6,7 @@ OpenAI-compatible routes live in openai_api.py; both go through `SimServer.submi
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ from .textgen import ACCEPTED_SAMPLING_KEYS, count_tokens, generate, token_ids
 __all__ = ["RequestError", "ServerState", "SimServer", "error_response", "submit_all", "wait_any"]
 
 EOS_TOKEN_ID = 151645
+# How often SGLang checks whether the client of a non-streaming request is still there (4 s in 0.5.23);
+# default 0 here: a client that leaves aborts its request at once (see `submit_and_wait`).
+DISCONNECT_CHECK_S = float(os.environ.get("SGLANG_SIM_DISCONNECT_CHECK_S", "0") or 0)
 
 
 class RequestError(Exception):
@@ -99,15 +103,29 @@ class SimServer:
                        matched_stop=matched, endpoint=endpoint, internal=internal)
 
     async def submit_and_wait(self, reqs: list[Request]) -> None:
-        """Queue the requests and wait; a client that goes away aborts them (handler cancellation)."""
+        """Queue the requests and wait; a client that goes away aborts them (handler cancellation).
+
+        SGLang 0.5.23 notices that the client of a non-streaming request left only when its wait times
+        out, every 4 s (`TokenizerManager._wait_one_response`: `wait_for(state.event.wait(), timeout=4)`,
+        then `request.is_disconnected()` -> `abort_request(rid)`). SGLANG_SIM_DISCONNECT_CHECK_S sets
+        that period (default 0: at once); `POST /abort_request` aborts at once either way."""
         submit_all(self.engine, reqs)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             for r in reqs:
                 await r.done.wait()
         except asyncio.CancelledError:
-            for r in reqs:
-                self.engine.finish_abort(r, "The client disconnected.")
+            period = DISCONNECT_CHECK_S
+            if period > 0:
+                loop.call_later(period - (loop.time() - started) % period, self._client_left, reqs)
+            else:
+                self._client_left(reqs)
             raise
+
+    def _client_left(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self.engine.finish_abort(r, "The client disconnected.")
 
     def check_generation_fault(self, prompts: list[Any] | None = None) -> None:
         if self.engine.faults.on_generation_request():

@@ -153,8 +153,10 @@ def test_after_a_cancel_the_servers_stop_generating_within_seconds(tmp_path: Pat
     """Long generations in flight on both GPUs; the batch is cancelled: within 1 s of the cancel ending,
     no simulated server runs or queues a request. Leases of 900 s (a worker renews them when it starts,
     then every 300 s) keep the old road, a worker finding its leases gone at its next beat, out of the
-    measure: only the announced drop (bf:<run>:drop, bf:<run>:signals) can stop them in time."""
-    sv = gpu_serve(tmp_path, redis_url, SGLANG_SIM_TIME_SCALE="1", BATCHFLEET_LEASE_TTL_S="900").start()
+    measure: only the announced drop (bf:<run>:drop, bf:<run>:signals) can stop them in time. The servers
+    notice a closed connection as SGLang does, at their next 4 s check: only an abort by rid is in time."""
+    sv = gpu_serve(tmp_path, redis_url, SGLANG_SIM_TIME_SCALE="1", BATCHFLEET_LEASE_TTL_S="900",
+                   SGLANG_SIM_DISCONNECT_CHECK_S="4").start()
     client = sv.client()
     sent = batch_lines(40, max_tokens=1500)
     f = client.files.create(file=write_lines(tmp_path / "in.jsonl", sent).open("rb"), purpose="batch")

@@ -152,7 +152,9 @@ def test_after_producer_cancel_every_server_stops_within_a_second_and_each_worke
     # the dropped requests were aborted by their rids, in the servers that ran them (one call each; a prompt
     # claimed but not yet sent has no request to abort)
     assert all(0 < o["abort_calls"] <= n for o, n in zip(after, dropped, strict=True)), (after, dropped)
-    assert all(o["aborted_total"] >= n for o, n in zip(after, dropped, strict=True))
+    # each server aborted requests, and only dropped ones (fewer when some dropped prompts were not sent yet:
+    # under load the surplus waits in the worker); what it did not abort it no longer runs (asserted above)
+    assert all(0 < o["aborted_total"] <= n for o, n in zip(after, dropped, strict=True)), (after, dropped)
 
 
 def test_purge_removes_every_key_of_the_run_and_only_its(fleets: Callable[..., Fleet], r: redis.Redis) -> None:

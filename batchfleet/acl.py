@@ -100,10 +100,10 @@ def roles(run: str = "*") -> dict[str, Role]:
                    rqlayout.CLEAN_LOCK_PREFIX + "*", k.leases, k.done, k.results, k.stats, k.strikes, k.suspects,
                    k.isolate, k.workers, k.status("*"), k.events, k.refeed,
                    k.cancel),  # cancel: its acknowledgement field
-            read=(k.control, k.meta, k.drop, rqlayout.QUEUES, rqlayout.SUSPENDED),
+            read=(k.control, k.retry, k.meta, k.drop, rqlayout.QUEUES, rqlayout.SUSPENDED),
             channels=(rqlayout.PUBSUB_PREFIX + "*", k.signals),
             commands=(*_DATA, "+subscribe", "+unsubscribe")),
-        "supervisor": Role("supervisor", write=(k.control, k.history, k.autopilot, k.events, k.workers),
+        "supervisor": Role("supervisor", write=(k.control, k.retry, k.history, k.autopilot, k.events, k.workers),
                            read=everything_of_run, channels=(), commands=_DATA),
         "viewer": Role("viewer", write=(), read=("*",), channels=(), commands=_READ_ONLY),
         "admin": Role("admin", write=("*",), read=(), channels=("*",), commands=("+@all",)),

@@ -25,8 +25,8 @@ from .records import STRATEGIES
 from .redact import MASK, redact_argv, redact_url
 
 __all__ = ["DEFAULT_QUEUE", "DEFAULT_QUEUE_PATTERN", "EVENT_LOOPS", "GPU_LOCAL_PART", "STRATEGIES", "Config",
-           "expand_queues", "gpu_group_for_queue", "gpu_index_for_queue", "group_label", "queue_host",
-           "redis_url_problem"]
+           "expand_queues", "gpu_group_for_queue", "gpu_index_for_queue", "group_label", "model_path_problem",
+           "queue_host", "redis_url_problem"]
 
 ENV_PREFIX = "BATCHFLEET_"
 DEFAULT_QUEUE = "gpu0"  # where prompts go when no queue is given and no worker has reported
@@ -89,6 +89,13 @@ class Config:
     status_interval_s: float = 2.0
     health_interval_s: float = 10.0  # how often a worker asks its server for a real generation
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight prompts get this long before they are handed back
+    # A server that cannot start this many times in a row (or is restarted this many times for being
+    # sick) marks its GPU `failed`: no work is taken; it tries again when told or after failed_retry_s.
+    server_start_attempts: int = 3
+    failed_retry_s: float = 600.0
+    # The circuit breaker: this many different prompts failing in a row on one server (nothing succeeding
+    # between) make it the server's fault (worker.breaker).
+    breaker_prompts: int = 5
     max_pending_results: int = 500_000  # stop taking work when the collector falls this far behind
 
     # Tests only: shift every wall-clock reading a worker takes (status/event/result timestamps) by this
@@ -141,6 +148,10 @@ class Config:
             raise ConfigError(f"event_loop {self.event_loop!r} is not one of {', '.join(EVENT_LOOPS)}")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be at least 1")
+        if self.server_start_attempts < 1 or self.breaker_prompts < 1:
+            raise ConfigError("server_start_attempts and breaker_prompts must be at least 1")
+        if self.failed_retry_s <= 0:
+            raise ConfigError("failed_retry_s must be positive")
         try:
             shlex.split(self.sglang_cmd + " " + self.server_args)
         except ValueError as exc:
@@ -246,6 +257,15 @@ def gpu_group_for_queue(queue: str) -> tuple[int, ...] | None:
             return None
         out.extend(range(first, last + 1))
     return tuple(out) if len(set(out)) == len(out) else None
+
+
+def model_path_problem(path: str) -> str | None:
+    """A model path that looks local (`/`, `./`, `../`, `~`) and does not exist: SGLang would take it for a
+    hub id and die at start-up on every GPU (it expands no `~`). None when it exists or is a hub id."""
+    if not path.startswith(("/", "./", "../", "~")) or os.path.exists(path):
+        return None
+    hint = " (SGLang does not expand ~: give the full path)" if path.startswith("~") else ""
+    return f"the model path {path!r} (BATCHFLEET_MODEL_PATH) does not exist on this host{hint}"
 
 
 def gpu_index_for_queue(queue: str) -> int | None:

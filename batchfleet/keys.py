@@ -28,6 +28,7 @@ under `bf:<run>:`.
 | bf:<run>:status:<worker> | string | worker | the worker's latest status record (expires) |
 | bf:<run>:events | stream | supervisor/worker | `Event`s (field `e`): decisions and restarts (capped) |
 | bf:<run>:control | hash | supervisor | desired `ServerSpec`: field `fleet`, `queue:<queue>` overrides (one GPU) |
+| bf:<run>:retry | hash | supervisor | queue -> token: a `failed` GPU's worker tries again when it changes |
 | bf:<run>:history | stream | supervisor | fleet samples (field `s`) for `supervisor report` (capped) |
 | bf:<run>:autopilot | string | supervisor | the autopilot's state (phase, changes tried and failed) |
 | bf:<run>:cancel | hash | producer/worker | `producer cancel` was run: `at`; `ack:<worker>` = prompts dropped |
@@ -213,6 +214,11 @@ class Keys:
         return self.prefix + "control"
 
     @property
+    def retry(self) -> str:
+        """Queue -> token: a worker whose GPU is `failed` starts its server again when its token changes."""
+        return self.prefix + "retry"
+
+    @property
     def history(self) -> str:
         return self.prefix + "history"
 
@@ -255,8 +261,8 @@ class Keys:
     def run_keys(self) -> list[str]:
         """The run's fixed batchfleet keys (status:<worker> records expire by themselves)."""
         return [self.leases, self.done, self.results, self.meta, self.stats, self.strikes, self.suspects,
-                self.isolate, self.workers, self.events, self.control, self.history, self.autopilot, self.cancel,
-                self.refeed]  # not `drop`: it keeps its own TTL (DROP_TTL_S), which enqueueing again must not lift
+                self.isolate, self.workers, self.events, self.control, self.retry, self.history, self.autopilot,
+                self.cancel, self.refeed]  # not `drop`: its own TTL (DROP_TTL_S), which enqueueing again must not lift
 
     CONTROL_FLEET = "fleet"
 

@@ -85,6 +85,7 @@ class WorkerState(StrEnum):
     DRAINING = "draining"
     RESTARTING = "restarting"
     DOWN = "down"
+    FAILED = "failed"  # its server could not start (or stayed sick) N times in a row: the GPU takes no work
     UNKNOWN = "unknown"  # a state this version does not know (a newer worker's): the rest of its record holds
 
 
@@ -94,6 +95,8 @@ class EventKind(StrEnum):
     RESTARTED = "restarted"  # a worker's server serves a new generation (data: downtime, handed back)
     SPEC_REFUSED = "spec_refused"  # a worker refused a server spec read from Redis
     SHUTDOWN_COMMAND = "shutdown_command"  # a worker drains and exits on RQ's shutdown command
+    GPU_FAILED = "gpu_failed"  # a worker marked its GPU failed (data: reason); it takes no work
+    SERVER_SICK = "server_sick"  # a worker's server failed many prompts in a row and its probe: restarted
     DIAGNOSIS = "diagnosis"  # the autopilot's reading of a server that entered a problem class
     STALL = "stall"  # the fleet is mamba-bound
     DECISION = "decision"  # the autopilot decided (or decided not) to move

@@ -64,6 +64,8 @@ from . import serve
 from .launch import (
     Events,
     Procs,
+    check_gpus,
+    check_model_path,
     detect_gpus,
     event_line,
     fleet_redis,
@@ -258,11 +260,14 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
     gpus = parse_gpus(args.gpus) if args.gpus else detect_gpus()
     if not gpus:
         raise UsageError("no GPU found (nvidia-smi lists none): give --gpus, e.g. --gpus 0-7")
+    if args.gpus:
+        check_gpus(gpus)
     args.groups = gpu_groups(gpus, args.tp)  # a --tp that does not fit: a usage error now, before Redis
     run = args.run or os.environ.get("BATCHFLEET_RUN") or run_name_for(args.file)
     config = Config.from_env(run=run, redis_url=args.redis_url, state_dir=args.state_dir)
     if not config.model_path:
         raise UsageError("BATCHFLEET_MODEL_PATH is not set: the model every GPU's server loads")
+    check_model_path(config)
     config = own_dirs(config)
     keys = Keys(run)
     out = sys.stderr
@@ -348,6 +353,7 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
     screen.say(f"{started}; logs in {logs}")
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     said_down: set[tuple[str, str]] = set()
+    failed: dict[str, str] = {}  # queue -> why its GPU was marked failed (its worker takes no work)
     code = EXIT_OK
     p: dict[str, Any] | None = None
     try:
@@ -355,14 +361,25 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
             for e in events.new():
                 screen.say(event_line(e))
             p = gather_progress(r, keys, store)
+            failed_now = {}
             for d in p["workers"]["not_serving"]:  # a server that cannot start: say why, once per reason
-                if d["state"] == "down" and (d["worker"], d["message"]) not in said_down:
+                why = (d["message"] or "?").strip().splitlines()[0]
+                if d["state"] == "failed":
+                    failed_now[d["queue"]] = why
+                if d["state"] in ("down", "failed") and (d["worker"], d["message"]) not in said_down:
                     said_down.add((d["worker"], d["message"]))
-                    why = (d["message"] or "?").strip().splitlines()[0]
                     log = logs / f"worker-{d['queue'].rpartition('.')[2]}.log"
-                    screen.say(f"{d['queue']}: server DOWN: {why} (see {log})")
+                    what = "GPU FAILED (takes no work)" if d["state"] == "failed" else "server DOWN"
+                    screen.say(f"{d['queue']}: {what}: {why} (see {log})")
+            failed.update(failed_now)
             screen.progress(p)
             if p["pending"] == 0:
+                break
+            ours = set(queues_of(config.run, gpu_groups(gpus)))
+            if ours <= set(failed_now):  # no GPU can serve: waiting longer cannot help
+                screen.say("no GPU can serve; each was marked failed:\n" + "\n".join(
+                    f"  {q.rpartition('.')[2]}: {failed_now[q]}" for q in sorted(ours)))
+                code = EXIT_ERROR
                 break
             if stop[0]:
                 code = EXIT_INTERRUPTED
@@ -395,6 +412,9 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
         bad = {n: c for n, c in codes.items() if c not in (0, -signal.SIGTERM)}
         if bad:
             screen.say("exit codes: " + ", ".join(f"{n} {c}" for n, c in bad.items()) + f" (logs in {logs})")
+    if failed and code == EXIT_OK:
+        screen.say(f"finished without {len(failed)} failed GPU(s) (their queues were served by the others): "
+                   + "; ".join(f"{q.rpartition('.')[2]}: {why}" for q, why in sorted(failed.items())))
     if code == EXIT_INTERRUPTED:
         collect_once(r, store, keys)  # what finished while the workers drained: into the store now
         p = gather_progress(r, keys, store)

@@ -37,7 +37,7 @@ from pathlib import Path
 import redis
 
 from batchfleet.cliopts import UsageError
-from batchfleet.config import GPU_LOCAL_PART, Config, group_label
+from batchfleet.config import GPU_LOCAL_PART, Config, group_label, model_path_problem
 from batchfleet.connection import redacted
 from batchfleet.keys import Keys
 from batchfleet.records import Event
@@ -45,8 +45,9 @@ from batchfleet.redact import private_dir, private_file
 
 from .redisproc import PrivateRedis, answers
 
-__all__ = ["BIN", "Events", "Procs", "UsageError", "child_env", "detect_gpus", "event_line", "exe", "fleet_redis",
-           "gpu_groups", "own_dirs", "parse_gpus", "queues_of", "start_fleet", "start_head"]
+__all__ = ["BIN", "Events", "Procs", "UsageError", "check_gpus", "check_model_path", "child_env", "detect_gpus",
+           "event_line", "exe", "fleet_redis", "gpu_groups", "own_dirs", "parse_gpus", "queues_of", "start_fleet",
+           "start_head"]
 
 BIN = Path(sys.executable).parent
 PR_SET_PDEATHSIG = 1
@@ -77,6 +78,21 @@ def detect_gpus() -> tuple[int, ...]:
     except (OSError, subprocess.SubprocessError):
         return ()
     return tuple(int(x) for x in (line.strip() for line in text.splitlines()) if x.isdigit())
+
+
+def check_gpus(gpus: tuple[int, ...]) -> None:
+    """`--gpus` names only GPUs `nvidia-smi` lists, where it answers (without it nothing can be checked)."""
+    listed = detect_gpus()
+    missing = [g for g in gpus if g not in listed]
+    if listed and missing:
+        raise UsageError(f"--gpus names GPU(s) {','.join(map(str, missing))} that nvidia-smi does not list "
+                         f"(it lists {','.join(map(str, listed))})")
+
+
+def check_model_path(config: Config) -> None:
+    """A local-looking model path that does not exist: refused before any server starts."""
+    if problem := model_path_problem(config.model_path):
+        raise UsageError(problem)
 
 
 def gpu_groups(gpus: tuple[int, ...], tp: int = 1, *, host_gpus: int | None = None) -> list[tuple[int, ...]]:

@@ -56,6 +56,8 @@ from producer.store import StoreError
 from .launch import (
     Events,
     Procs,
+    check_gpus,
+    check_model_path,
     event_line,
     fleet_redis,
     gpu_groups,
@@ -154,9 +156,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if args.gpus is None and args.tp != 1:
         raise UsageError("--tp goes with --gpus (the GPUs whose servers it groups)")
+    if args.gpus:
+        check_gpus(parse_gpus(args.gpus))
     groups = gpu_groups(parse_gpus(args.gpus), args.tp) if args.gpus else []
     if groups and not config.model_path:
         raise UsageError("BATCHFLEET_MODEL_PATH is not set: the model every GPU's server loads")
+    if groups:
+        check_model_path(config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve: %(message)s", datefmt="%H:%M:%S")
     install_log_scrubbing(Scrubber.for_config(config))
     queues = queues_of(run, groups) if groups else config.queues

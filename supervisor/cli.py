@@ -1,14 +1,15 @@
-"""`supervisor watch | status | run | restart | report`: thin; parse, build, call one function.
+"""`supervisor watch | status | run | restart | retry | report`: thin; parse, build, call one function.
 
     supervisor watch              the autopilot with its live view (console lines when not a terminal)
     supervisor watch --dry-run    the same, advising only: nothing is restarted
     supervisor watch --view-only  the live view alone, read-only (also: --once [--json])
     supervisor status [--json]    one read-only snapshot
     supervisor run                the autopilot without the live view (console lines), e.g. under honcho
+    supervisor retry [QUEUE ...]  GPUs marked failed (their servers could not start) try again
 
-Exit status (docs/cli.md): 0 done; 1 `restart` found no serving worker to canary, `report` found no
-history; 2 a usage or configuration error, Redis unreachable (one-shot commands), a run Redis does not
-hold (one-shot commands: `status`, `watch --once`, `restart`, `report`), a metrics port that cannot be
+Exit status (docs/cli.md): 0 done; 1 `restart` found no serving worker to canary, `retry` no failed GPU,
+`report` found no history; 2 a usage or configuration error, Redis unreachable (one-shot commands), a run Redis does not
+hold (one-shot commands: `status`, `watch --once`, `restart`, `retry`, `report`), a metrics port that cannot be
 bound, a report that cannot be written; 130 interrupted; 141 stdout closed (`| head`). One line on stderr, never a
 traceback. `watch` and `run` wait for a run that does not exist yet (they start beside the workers).
 """
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     restart.add_argument("--canary", nargs="?", const="", metavar="QUEUE",
                          help="only this GPU (its queue or worker name; default: the first serving one)")
 
+    retry = sub.add_parser("retry", help="operator: GPUs marked failed start their servers again")
+    retry.add_argument("queues", nargs="*", metavar="QUEUE", help="their queues (default: every failed GPU)")
+
     report = sub.add_parser("report", help="PNG of fleet tokens/s and per-GPU in-flight, restarts marked; summary")
     report.add_argument("out", type=Path, help="the PNG to write")
     report.add_argument("--title", default="", metavar="TEXT", help="chart title (default: the run's name)")
@@ -164,7 +168,7 @@ def _main(args: argparse.Namespace) -> int:
         if args.view_only:
             return _view(args, config, r, k)
     return {"watch": _autopilot, "run": _autopilot, "status": _status, "restart": _restart,
-            "report": _report}[args.command](args, config, r, k)
+            "retry": _retry, "report": _report}[args.command](args, config, r, k)
 
 
 class _Console(Console):
@@ -273,6 +277,20 @@ def _restart(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) 
                           canary=canary, queue_pattern=config.queue_pattern)
     print(f"{'canary ' + canary if canary else 'fleet'} -> {spec.describe()} (generation {spec.generation}); "
           "workers pick it up within a second: watch with `supervisor watch --view-only`")
+    return 0
+
+
+def _retry(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys) -> int:
+    """A new token per queue in `bf:<run>:retry`: each named GPU's worker, if failed, starts again."""
+    queues = list(args.queues)
+    if not queues:
+        workers = read_fleet(r, k, queue_pattern=config.queue_pattern).workers
+        queues = sorted({w.queue for w in workers if w.state is WorkerState.FAILED})
+        if not queues:
+            print("supervisor: no GPU is marked failed; name one: supervisor retry QUEUE", file=sys.stderr)
+            return 1
+    r.hset(k.retry, mapping={q: str(time.time_ns()) for q in queues})
+    print(f"told {', '.join(queues)} to start again; workers look within a few seconds")
     return 0
 
 

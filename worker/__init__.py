@@ -37,7 +37,7 @@ import orjson
 import redis
 from rq.worker import BaseWorker
 
-from batchfleet.config import Config, gpu_group_for_queue, queue_host, redis_url_problem
+from batchfleet.config import Config, gpu_group_for_queue, model_path_problem, queue_host, redis_url_problem
 from batchfleet.connection import async_client_like, with_timeouts
 from batchfleet.errors import ConfigError
 from batchfleet.redact import Scrubber, install_log_scrubbing, private_dir
@@ -158,6 +158,8 @@ class GPUWorker(BaseWorker):
             _check_listed(queue, gpus)
             new_loop = loop_factory(config.event_loop)
             _make_dirs(config)
+            if problem := model_path_problem(config.model_path):  # refused before any server starts
+                raise ConfigError(problem)
         except ConfigError as exc:
             log.error("%s", exc)
             sys.exit(EXIT_CONFIG)

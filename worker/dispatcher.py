@@ -60,6 +60,7 @@ from batchfleet.prompts import InvalidPrompt, check_body
 from batchfleet.records import Prompt, Result, job_id_for
 from batchfleet.redact import Scrubber
 
+from .breaker import Breaker
 from .ledger import MAX_STRIKES, Claim, ClaimKind, DeathOutcome, Ledger, parse_job_data
 from .redislink import LINK
 from .slots import Slots, Turnover, surplus_cap
@@ -183,6 +184,8 @@ class Flight:
     state: FlightState = FlightState.OUTSIDE
     sent_at: float = 0.0  # time.monotonic() when its request was last sent
     rid: str = ""  # the SGLang request id of its latest request (REQUEST_ID)
+    failed_epoch: int | None = None  # the breaker's epoch at its last failed attempt
+    uncounted: int = 0  # attempts that did not count (the server was at fault)
 
     @property
     def settled(self) -> bool:
@@ -194,7 +197,8 @@ class Dispatcher:
                  queues: Callable[[], list[str]], server_ok: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] | None = None,
                  on_completion: Callable[[int], None] = lambda tokens: None,
-                 abort: Callable[[list[str]], Awaitable[object]] | None = None) -> None:
+                 abort: Callable[[list[str]], Awaitable[object]] | None = None,
+                 probe: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.ledger = ledger
         self.backend = backend
         self.config = config
@@ -226,6 +230,12 @@ class Dispatcher:
         self._solo: asyncio.Task[None] | None = None  # the prompt running alone, if any
         self.retry_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # tests swap it out
         self._paused_said = False
+        # Whose fault is a failure, the prompt's or the server's (worker.breaker): open, it holds claims
+        # (PAUSED) and hands prompts back uncounted until the keeper probes, restarts or closes it.
+        self.breaker = Breaker(config.breaker_prompts)
+        self.probe = probe or _server_generates  # does the server generate? (the keeper's health probe)
+        self._probing: asyncio.Future[bool] | None = None
+        self.sick_handed_back = 0  # prompts handed back because the breaker was open
 
     @property
     def in_flight(self) -> int:
@@ -451,10 +461,12 @@ class Dispatcher:
                     if self._mode & Mode.DRAINING:
                         await self._hand_back(flight)
                         return
+                    if exc.status_code is not None and await self._server_at_fault(flight, claim.jid):
+                        return
                     # The server is gone: its keeper strikes what was inside and collects us; the
                     # wait for it is not an attempt's backoff.
                     server_gone = exc.status_code is None and not self.server_ok()
-                    if not server_gone and flight.attempts >= self.config.max_attempts:
+                    if not server_gone and flight.attempts - flight.uncounted >= self.config.max_attempts:
                         self._fail(flight, exc.status_code or 0, ErrorCode.RETRIES_EXHAUSTED,
                                    f"{exc} (after {flight.attempts} attempts)", exc.body)
                         return
@@ -465,6 +477,7 @@ class Dispatcher:
                     holding = True
                     continue
                 except PromptError as exc:
+                    self.breaker.success()  # the server answered sanely: the prompt is at fault
                     self._fail(flight, exc.status_code, ErrorCode.INVALID_PROMPT, str(exc), exc.body)
                     return
                 self._succeed(flight, body)
@@ -489,6 +502,45 @@ class Dispatcher:
         finally:
             if holding:
                 self.slots.release()
+
+    async def _server_at_fault(self, flight: Flight, jid: str) -> bool:
+        """The server answered this attempt with an error: the breaker judges whose fault it is. True
+        when it is (or may be) the server's: the prompt was handed back, its attempt not counted."""
+        breaker = self.breaker
+        if breaker.failure(jid):
+            self._breaker_opened(f"{breaker.threshold} different prompts failed in a row on this server and none "
+                                 "succeeded")
+        if not breaker.open and not breaker.counts(flight.failed_epoch):
+            # It failed here before, and nothing succeeded here since: does the server generate at all?
+            if await self._probe_once():
+                breaker.probe_ok()  # it does: the failure is the prompt's, and counts
+            elif not breaker.open:
+                breaker.trip()
+                self._breaker_opened("a prompt failed again and the server's own probe failed")
+        if breaker.open:
+            flight.uncounted += 1
+            self.sick_handed_back += 1
+            await self._hand_back(flight)
+            return True
+        flight.failed_epoch = breaker.epoch
+        return False
+
+    def _breaker_opened(self, why: str) -> None:
+        """The server is at fault: no claims, no steals (PAUSED until the keeper probes, restarts or
+        closes the breaker); the prompts waiting to retry go back to their queues, uncounted."""
+        self._set_mode(self._mode | Mode.PAUSED)
+        log.warning("%s: the server is at fault; taking no work and handing prompts back until it is probed", why)
+        waiting = [t for t, f in self.tasks.items() if f.state is _OUTSIDE and t is not asyncio.current_task()]
+        asyncio.get_running_loop().create_task(self._collect(waiting))
+
+    async def _probe_once(self) -> bool:
+        """The server's probe (the keeper's /health_generate), shared by the prompts that ask at once."""
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.ensure_future(self.probe())
+        try:
+            return await asyncio.shield(self._probing)
+        except Exception:  # a probe that cannot answer says no
+            return False
 
     async def _wait_to_retry(self, flight: Flight, backoff_s: float) -> bool:
         """Between attempts (holding no slot): the backoff, then until the server is up; then a slot
@@ -552,6 +604,7 @@ class Dispatcher:
                         worker=self.worker, attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
         flight.state = _SETTLED
         self.done += 1
+        self.breaker.success()
         self.turnover.finished(time.monotonic())
         self.on_completion(result.completion_tokens)
         self.ledger.finish(flight.claim, result)
@@ -748,6 +801,11 @@ class _Trimmed(Exception):
     def __init__(self, cid: str) -> None:
         super().__init__(cid)
         self.cid = cid
+
+
+async def _server_generates() -> bool:
+    """Without a keeper (tests, benchmarks): the server is taken to generate."""
+    return True
 
 
 def _wall_clock() -> float:

@@ -11,7 +11,7 @@ scheduler; the mamba cap from python/sglang/srt/mem_cache/allocation_sizing.py):
                                       memory_usage {weight, kvcache, ...}
     log:          Load weight end. ..., avail mem=X GB, mem usage=W GB.
                   Mamba Cache is allocated. max_mamba_cache_size: P, conv_state size: aGB, ssm_state size: bGB
-                  KV Cache is allocated. #tokens: N, K size: k GB, V size: v GB
+                  KV Cache is allocated. dtype: torch.bfloat16, #tokens: N, K size: k GB, V size: v GB
                   WARNING: max_running_requests is capped to N by the mamba state cache
                            (max_mamba_cache_size=P, R state slots per request). ...
                   max_total_num_tokens=..., max_running_requests=N, context_len=C, ...
@@ -34,7 +34,8 @@ _CAPPED = re.compile(r"max_running_requests is capped to (\d+) by the mamba stat
 _LOADED = re.compile(r"Load weight end\..*?avail mem=([\d.]+) GB, mem usage=([\d.]+) GB")
 _MAMBA = re.compile(r"Mamba Cache is allocated\. max_mamba_cache_size: (\d+), conv_state size: ([\d.]+) ?GB, "
                     r"ssm_state size: ([\d.]+) ?GB")
-_KV = re.compile(r"KV Cache is allocated\. #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
+# 0.5.23: "KV Cache is allocated. dtype: torch.bfloat16, #tokens: N, K size: k GB, V size: v GB" (older: no dtype)
+_KV = re.compile(r"KV Cache is allocated\.(?: dtype: [^,]+,)? #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
 _SIZING = re.compile(r"max_total_num_tokens=(\d+),.*?context_len=(\d+)")
 
 

@@ -2,8 +2,12 @@
 when the supervisor asks for another spec; report each step in the worker's state.
 
     START ──ready──▶ SERVE ──died/hung──▶ DIED (kill; strikes for the prompts inside) ──▶ START
-      │                └──another spec asked──▶ RESPEC (drain, hand back the rest, stop, GPU free) ──▶ START
-      └──could not start──▶ BACKOFF (state "down", reason and log tail published) ──▶ START
+      │                ├──another spec asked──▶ RESPEC (drain, hand back the rest, stop, GPU free) ──▶ START
+      │                └──breaker open──▶ SICK (probe: passes ──▶ SERVE; fails ──▶ hand back, stop ──▶ START)
+      ├──could not start──▶ BACKOFF (state "down", reason and log tail published) ──▶ START
+      └──could not start N times in a row (or sick N restarts in a row)──▶ FAILED (state "failed", the
+         reason from the server's log; no work taken) ──told (`supervisor retry`, a new spec) or after
+         failed_retry_s──▶ START
 
 Each phase (`ServerPhase`) is a method in a dispatch table that returns the next phase. The keeper
 pauses and resumes the dispatcher around the server's life, and tells it when a request's trouble
@@ -38,6 +42,13 @@ __all__ = ["ServerKeeper", "ServerPhase"]
 
 log = logging.getLogger("batchfleet.worker")
 
+FAILED_POLL_S = 2.0  # how often a failed GPU looks for `supervisor retry` or a new spec
+SICK_RESET_S = 300.0  # a server that served this long before it turned sick starts a new count of sick restarts
+
+
+async def _no_token() -> bytes | None:
+    return None
+
 
 class ServerPhase(StrEnum):
     """A step of the server's life, as the keeper runs it (the worker's published state is
@@ -48,11 +59,14 @@ class ServerPhase(StrEnum):
     DIED = "died"
     RESPEC = "respec"
     BACKOFF = "backoff"
+    SICK = "sick"
+    FAILED = "failed"
 
 
 class ServerKeeper:
     def __init__(self, config: Config, server: SGLangServer, dispatcher: Dispatcher, spec: SpecFollower,
-                 events: EventLog, *, gpu: int, publish: Callable[[], Awaitable[None]]) -> None:
+                 events: EventLog, *, gpu: int, publish: Callable[[], Awaitable[None]],
+                 retry_token: Callable[[], Awaitable[bytes | None]] | None = None) -> None:
         self.config = config
         self.server = server
         self.dispatcher = dispatcher
@@ -65,11 +79,18 @@ class ServerKeeper:
         self.http: sglang.SGLangClient | None = None
         self.deaths = 0  # server deaths (exits and hangs) while serving
         self._failures = 0  # start failures in a row
+        self.sick_restarts = 0  # restarts for a sick server (breaker open, probe failed)
+        self._sick_in_a_row = 0
+        self._serving_since = 0.0
+        self._failed_reason = ""
+        # `supervisor retry`'s token for this GPU (bf:<run>:retry): a change tells a failed GPU to try again
+        self.retry_token = retry_token or _no_token
         self._death: ServerDied | None = None
         self._restarting: dict | None = None  # set between a spec-driven stop and the next start
         self._phases: dict[ServerPhase, Callable[[], Awaitable[ServerPhase]]] = {
             ServerPhase.START: self._start, ServerPhase.SERVE: self._serve, ServerPhase.DIED: self._died,
             ServerPhase.RESPEC: self._respec, ServerPhase.BACKOFF: self._backoff,
+            ServerPhase.SICK: self._sick, ServerPhase.FAILED: self._failed,
         }
 
     async def run(self) -> None:
@@ -88,6 +109,16 @@ class ServerKeeper:
             raise JobRefused(f"refusing to send a request to {prompt.url[:100]!r}")
         return await sglang.complete(self.http, prompt.url, prompt.body)
 
+    async def probe(self) -> bool:
+        """Does the server generate (`/health_generate`)? For the dispatcher's breaker."""
+        if self.http is None or not self.serving():
+            return False
+        try:
+            await self.server.check_health(self.http, timeout_s=20.0)
+        except ServerDied:
+            return False
+        return True
+
     async def close(self) -> None:
         self.state, self.message = WorkerState.DOWN, self.message or "stopped"
         await self.server.stop()
@@ -104,8 +135,12 @@ class ServerKeeper:
         except ServerStartError as exc:
             self._failures += 1
             self.state, self.message = WorkerState.DOWN, str(exc)
-            log.error("gpu%d: %s", self.gpu, exc)
+            log.error("gpu%d: server could not start (%d of %d in a row): %s", self.gpu, self._failures,
+                      self.config.server_start_attempts, exc)
             await self.publish()
+            if self._failures >= self.config.server_start_attempts:
+                self._failed_reason = f"{exc} ({self._failures} starts failed in a row)"
+                return ServerPhase.FAILED
             return ServerPhase.BACKOFF
         except ConfigError as exc:
             self.state, self.message = WorkerState.DOWN, f"configuration error: {exc}"
@@ -113,6 +148,8 @@ class ServerKeeper:
             await self.publish()
             raise
         self._failures = 0
+        self._serving_since = time.monotonic()
+        self.dispatcher.breaker.reset()
         await self._open_http(capacity)
         await self.dispatcher.set_capacity(capacity, max_in_flight=self.config.max_in_flight)
         self.dispatcher.resume()
@@ -137,7 +174,81 @@ class ServerKeeper:
         except ServerDied as exc:
             self._death = exc
             return ServerPhase.DIED
-        return ServerPhase.RESPEC
+        return ServerPhase.SICK if self.dispatcher.breaker.open else ServerPhase.RESPEC
+
+    async def _sick(self) -> ServerPhase:
+        """Many different prompts failed in a row here and none succeeded (the breaker opened; the
+        dispatcher claims nothing and hands prompts back uncounted). Probe: a server that generates
+        serves on (the failures were the prompts'); one that does not is restarted, no prompt struck.
+        Sick again and again (`server_start_attempts` restarts in a row): the GPU is marked failed."""
+        breaker = self.dispatcher.breaker
+        try:
+            await self.server.check_health(self.http, timeout_s=20.0)
+        except ServerDied as exc:
+            probe = str(exc)
+        else:
+            log.warning("gpu%d: %d different prompts failed in a row, but /health_generate generates: the failures "
+                        "were the prompts'; taking work again", self.gpu, breaker.threshold)
+            breaker.probe_ok()
+            self.dispatcher.resume()
+            return ServerPhase.SERVE
+        if time.monotonic() - self._serving_since > SICK_RESET_S:
+            self._sick_in_a_row = 0  # it served well for a long while before this: a new episode
+        self._sick_in_a_row += 1
+        self.sick_restarts += 1
+        reason = f"server sick: {breaker.threshold} different prompts failed in a row and {probe}"
+        log.error("gpu%d: %s; restarting it (%d in a row)", self.gpu, reason, self._sick_in_a_row)
+        self.state, self.message = WorkerState.RESTARTING, reason
+        await self.publish()
+        with contextlib.suppress(redis.RedisError, OSError):
+            await self.events.emit(EventKind.SERVER_SICK, f"gpu{self.gpu}: {reason}; restarting it",
+                                   queue=self.spec.queue, restarts_in_a_row=self._sick_in_a_row)
+        handed = await self.dispatcher.drain(min(10.0, self.config.shutdown_grace_s))  # a sick server answers fast
+        self.server.kill()
+        await self.server.stop()
+        log.info("gpu%d: sick server stopped; %d prompt(s) handed back", self.gpu, handed)
+        if self._sick_in_a_row >= self.config.server_start_attempts:
+            self._failed_reason = f"{reason} ({self._sick_in_a_row} restarts in a row)"
+            return ServerPhase.FAILED
+        return ServerPhase.START
+
+    async def _failed(self) -> ServerPhase:
+        """The GPU cannot serve: say why (status record, event, log), take no work (the dispatcher stays
+        paused: its queue is served by the other GPUs' workers), and start again only when told (a new
+        `supervisor retry` token, or a new server spec for it) or after `failed_retry_s`."""
+        self.dispatcher.pause()
+        reason = self._failed_reason
+        self.state = WorkerState.FAILED
+        self.message = f"{reason}; retrying in {self.config.failed_retry_s:.0f} s or on `supervisor retry`"
+        log.error("gpu%d: marked failed: %s; taking no work; its queue is served by the other GPUs (retry: "
+                  "`supervisor retry %s`, or in %.0f s)", self.gpu, reason, self.spec.queue, self.config.failed_retry_s)
+        await self.publish()
+        with contextlib.suppress(redis.RedisError, OSError):
+            await self.events.emit(EventKind.GPU_FAILED, f"gpu{self.gpu} failed: {reason}", queue=self.spec.queue,
+                                   reason=reason)
+        token = await self._token()
+        generation = (await self.spec.desired()).generation
+        until = time.monotonic() + self.config.failed_retry_s
+        while time.monotonic() < until:
+            await asyncio.sleep(FAILED_POLL_S)
+            if await self._token() != token:
+                log.info("gpu%d: told to try again (supervisor retry)", self.gpu)
+                break
+            if (await self.spec.desired()).generation != generation:
+                log.info("gpu%d: a new server spec was asked: trying again", self.gpu)
+                break
+        else:
+            log.info("gpu%d: trying again after %.0f s failed", self.gpu, self.config.failed_retry_s)
+        self._failures = 0
+        self._sick_in_a_row = 0
+        self.state, self.message = WorkerState.STARTING, ""
+        return ServerPhase.START
+
+    async def _token(self) -> bytes | None:
+        try:
+            return await self.retry_token()
+        except (redis.RedisError, OSError):
+            return None
 
     async def _died(self) -> ServerPhase:
         """The server exited, or hung and is killed now. Stop claiming at once; the prompts that were
@@ -153,7 +264,7 @@ class ServerKeeper:
         await self.publish()
         tail = exc.log_tail or self.server.log_tail()
         with contextlib.suppress(redis.RedisError, OSError):  # said by the ledger; the leases lapse, they rerun
-            await self.dispatcher.server_lost(reason=reason, log_tail=tail)
+            await self.dispatcher.server_lost(reason=f"gpu{self.gpu}: {reason}", log_tail=tail)
         return ServerPhase.START
 
     async def _respec(self) -> ServerPhase:
@@ -188,7 +299,7 @@ class ServerKeeper:
             if not self.server.running:
                 self.server.check_alive()
             desired = await self.spec.desired()
-            if desired.generation != self.server.spec.generation:
+            if desired.generation != self.server.spec.generation or self.dispatcher.breaker.open:
                 return
             if time.monotonic() - last_health < self.config.health_interval_s:
                 continue
@@ -201,6 +312,7 @@ class ServerKeeper:
                 if await self._probe_unless_respecified():
                     return
                 misses = 0
+                self.dispatcher.breaker.success()  # it generates: a prompt failing alone here is at fault
             except ServerDied as exc:
                 if not self.server.running:
                     raise

@@ -29,13 +29,13 @@ from batchfleet.redact import Scrubber, private_dir, private_file, redact_argv
 
 from .facts import read_facts
 from .flags import ServerCLI, build_argv, read_server_cli
+from .startfail import fatal_line, port_holder, port_in_use_reason, start_failure_reason
 
 __all__ = ["SGLangServer", "write_pid_record"]
 
 log = logging.getLogger("batchfleet.worker.server")
 
-# Lines after which waiting longer cannot help.
-FATAL_LINES = ("CUDA out of memory", "OutOfMemoryError", "Address already in use")
+# Lines after which waiting longer cannot help: startfail.FATAL_MARKERS (matched case-insensitively).
 
 
 class SGLangServer:
@@ -81,9 +81,12 @@ class SGLangServer:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, self.gpus)))
         logf = private_file(self.log_path, "ab")
         try:
-            logf.write(f"\n===== batchfleet: starting {shown} =====\n".encode())
-            logf.flush()
-            self._log_offset = logf.tell()
+            try:
+                logf.write(f"\n===== batchfleet: starting {shown} =====\n".encode())
+                logf.flush()
+            except OSError as exc:  # a full disk: the server starts all the same (its log pump says so)
+                log.warning("gpu%d: cannot write the server's log %s: %s", self.gpu, self.log_path, exc)
+            self._log_offset = os.lseek(logf.fileno(), 0, os.SEEK_END)
             # Own session: a stop signals the whole group (SGLang forks scheduler/detokenizer processes).
             # Its output comes through a pipe and is written with every secret scrubbed: SGLang prints
             # its own arguments (`server_args=ServerArgs(... api_key=...)`) at start-up.
@@ -105,22 +108,21 @@ class SGLangServer:
         async with self._client(timeout_s=30.0) as client:
             while True:
                 self.check_alive(starting=True)
-                fatal = self._fatal_line()
-                if fatal:
+                if self._fatal_line():
                     await self.stop()
-                    raise ServerStartError(f"gpu{self.gpu}: server failed to start: {fatal}", log_tail=self.log_tail())
+                    raise ServerStartError(self.start_failure(), log_tail=self.log_tail())
                 try:
-                    # Ready means a real generation went through, not merely an open port.
+                    # Ready means a real generation went through, not merely an open port, and through
+                    # OUR server: SGLang binds its port last, so whatever else holds it answers meanwhile.
                     status, _ = await client.get("/health_generate", timeout_s=30.0)
-                    if status == 200:
+                    if status == 200 and self._port_is_ours():
                         return
                 except (ConnectionError, TimeoutError):
                     pass
                 if time.monotonic() > deadline:
                     await self.stop()
-                    raise ServerStartError(
-                        f"gpu{self.gpu}: server not ready after {self.config.startup_timeout_s:.0f} s",
-                        log_tail=self.log_tail())
+                    raise ServerStartError(f"server not ready after {self.config.startup_timeout_s:.0f} s",
+                                           log_tail=self.log_tail())
                 await asyncio.sleep(0.25)
 
     async def _discover_capacity(self) -> int:
@@ -135,7 +137,7 @@ class SGLangServer:
         capacity = sglang.effective_capacity(info) or sglang.capacity_from_log(log_text)
         if not capacity:
             await self.stop()
-            raise ServerStartError(f"gpu{self.gpu}: could not discover the effective max running requests "
+            raise ServerStartError("could not discover the effective max running requests "
                                    "(no internal_states[].effective_max_running_requests_per_dp, no start-up "
                                    "log line)", log_tail=self.log_tail())
         # Static facts for the supervisor (what caps the server and by how much memory); best effort.
@@ -183,8 +185,8 @@ class SGLangServer:
         with socket.socket() as sock:
             sock.settimeout(1.0)
             if sock.connect_ex((self.config.server_host, self.port)) == 0:
-                raise ServerStartError(f"gpu{self.gpu}: port {self.port} is already in use by another process "
-                                       "(set BATCHFLEET_PORT_BASE to a free range)")
+                reason = await asyncio.to_thread(port_in_use_reason, self.port)
+                raise ServerStartError(f"{reason} (set BATCHFLEET_PORT_BASE to a free range)")
 
     def kill(self) -> None:
         """Hard stop, for a hung server."""
@@ -198,14 +200,15 @@ class SGLangServer:
 
     def check_alive(self, *, starting: bool = False) -> None:
         if self.proc is None:
-            raise ServerDied(f"gpu{self.gpu}: no server process")
+            raise ServerDied("no server process")
         code = self.proc.poll()
         if code is not None:
             cls = ServerStartError if starting else ServerDied
             _forget_pid_record(self.pid_path, self.proc.pid)  # reaped: its pid names nothing of ours now
             self.proc = None
             self._drain_log(timeout_s=2.0)  # its last lines (the reason it died) into the log first
-            raise cls(f"gpu{self.gpu}: server exited with status {code}", log_tail=self.log_tail())
+            message = self.start_failure(code) if starting else f"server exited with status {code}"
+            raise cls(message, log_tail=self.log_tail())
 
     async def check_health(self, client: sglang.SGLangClient, *, timeout_s: float = 30.0) -> None:
         """Raise ServerDied if the process is gone or cannot generate (a hung server keeps its port
@@ -215,9 +218,9 @@ class SGLangServer:
             status, _ = await client.get("/health_generate", timeout_s=timeout_s)
         except (ConnectionError, TimeoutError) as exc:
             self.check_alive()
-            raise ServerDied(f"gpu{self.gpu}: /health_generate failed: {type(exc).__name__}") from exc
+            raise ServerDied(f"/health_generate failed: {type(exc).__name__}") from exc
         if status != 200:
-            raise ServerDied(f"gpu{self.gpu}: /health_generate answered {status}")
+            raise ServerDied(f"/health_generate answered {status}")
 
     # --- logs ------------------------------------------------------------------------------------
     def _drain_log(self, timeout_s: float = 5.0) -> None:
@@ -235,10 +238,25 @@ class SGLangServer:
             return ""
 
     def _fatal_line(self) -> str | None:
-        for line in self._log_since_start().splitlines()[-200:]:
-            if any(marker in line for marker in FATAL_LINES):
-                return line.strip()
-        return None
+        return fatal_line(self._log_since_start())
+
+    def start_failure(self, exit_status: int | None = None) -> str:
+        """Why this start failed, in one line, from the server's log (see `startfail`)."""
+        return start_failure_reason(self._log_since_start(), port=self.port, exit_status=exit_status)
+
+    def _port_is_ours(self) -> bool:
+        """Whoever listens on the port is our server's process group (or cannot be told: not ours to
+        doubt). A foreign holder answers /health_generate while our server fails to bind."""
+        proc = self.proc
+        if proc is None:
+            return False
+        holder = port_holder(self.port)
+        if holder is None or holder == proc.pid:
+            return True
+        try:
+            return os.getpgid(holder) == proc.pid  # the server runs in a session (and group) of its own
+        except OSError:
+            return False
 
     def log_tail(self, lines: int = 25) -> str:
         return "\n".join(self._log_since_start().splitlines()[-lines:])
@@ -312,6 +330,8 @@ class _LogPump:
         self.proc = proc
         self.out = out
         self.scrub = scrub
+        self.name = name
+        self.dropped = 0  # lines that could not be written (disk full)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -319,12 +339,26 @@ class _LogPump:
         pipe = self.proc.stdout
         assert pipe is not None
         try:
+            with contextlib.suppress(OSError):
+                self.out.flush()  # from here on, unbuffered writes: nothing is held back to fail again later
+            fd = self.out.fileno()
             for line in iter(pipe.readline, b""):
-                self.out.write(self.scrub.bytes(line))
-                self.out.flush()
-        except (OSError, ValueError) as exc:  # the log file or the pipe went away
+                # The pipe is drained whatever becomes of the file: a server whose pipe fills blocks on
+                # its next log line and stops serving. A line that cannot be written (a full disk) is
+                # dropped and counted, with one warning.
+                try:
+                    _write_all(fd, self.scrub.bytes(line))
+                except OSError as exc:
+                    self.dropped += 1
+                    if self.dropped == 1:
+                        log.warning("%s: cannot write the server's log (%s): dropping its lines, still reading "
+                                    "them (counted; the count is logged when the server stops)", self.name, exc)
+        except (OSError, ValueError) as exc:  # the pipe went away
             log.warning("server log copy stopped: %s", exc)
         finally:
+            if self.dropped:
+                log.warning("%s: %d line(s) of the server's log could not be written and were dropped",
+                            self.name, self.dropped)
             with contextlib.suppress(OSError, ValueError):
                 pipe.close()
             with contextlib.suppress(OSError, ValueError):
@@ -333,6 +367,12 @@ class _LogPump:
     def finish(self, timeout_s: float) -> None:
         """Wait for the end of the output (bounded: a leftover child may hold the pipe open)."""
         self.thread.join(timeout_s)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _die_with_parent() -> None:

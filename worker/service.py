@@ -78,7 +78,8 @@ class GPUService:
                                 period_s=max(0.5, config.lease_ttl_s / 3))
         self.dispatcher = Dispatcher(self.ledger, self._generate, config=config, worker=worker, queues=self.steal,
                                      server_ok=self._server_ok, clock=self.clock,
-                                     on_completion=self.meter.note_completion, abort=self._abort)
+                                     on_completion=self.meter.note_completion, abort=self._abort,
+                                     probe=self._probe)
         self.spec = SpecFollower(config, client, self.k, worker=worker, queue=queue, gpu=gpu, events=self.events,
                                  current=lambda: self.server.spec if self.server.running else None)
         self.publisher = StatusPublisher(client, self.k, snapshot=self.snapshot)
@@ -86,7 +87,7 @@ class GPUService:
                                        http=lambda: self.keeper.http, server_running=lambda: self.server.running,
                                        rq_heartbeat=rq_heartbeat)
         self.keeper = ServerKeeper(config, self.server, self.dispatcher, self.spec, self.events, gpu=gpu,
-                                   publish=self.reporter.publish_now)
+                                   publish=self.reporter.publish_now, retry_token=self._retry_token)
         self._marker = MarkerWatch(self.k, log)  # says so when Redis loses the run's data
         # Cancelled prompts: dropped on the producer's signal, and checked again before each lease renewal
         self.drops = DropWatch(client, self.k, held=lambda: list(self.ledger.held),
@@ -148,8 +149,8 @@ class GPUService:
                     await self.reporter.publish_now()
             d = self.dispatcher
             log.info("worker %s stopped: %d done, %d failed, %d refused, %d handed back, %d struck, %d quarantined, "
-                     "%d server death(s)", self.worker, d.done, d.failed, d.refused, d.handed_back, d.struck,
-                     d.quarantined, self.keeper.deaths)
+                     "%d server death(s), %d sick restart(s)", self.worker, d.done, d.failed, d.refused, d.handed_back,
+                     d.struck, d.quarantined, self.keeper.deaths, self.keeper.sick_restarts)
         return code or self.exit_code
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -202,6 +203,13 @@ class GPUService:
     async def _check_marker(self) -> None:
         busy = bool(self.ledger.held) or self.dispatcher.done + self.dispatcher.failed > 0
         await self._marker.check(self.r, busy=busy)
+
+    async def _retry_token(self) -> bytes | None:
+        """`supervisor retry`'s token for this worker's queue (a change: a failed GPU tries again)."""
+        return await self.r.hget(self.k.retry, self.queue)
+
+    async def _probe(self) -> bool:
+        return await self.keeper.probe()
 
     def _server_ok(self) -> bool:
         return self.keeper.serving()

@@ -236,6 +236,7 @@ class Dispatcher:
         self.probe = probe or _server_generates  # does the server generate? (the keeper's health probe)
         self._probing: asyncio.Future[bool] | None = None
         self.sick_handed_back = 0  # prompts handed back because the breaker was open
+        self.breaker_why = ""  # why it last opened, in words
 
     @property
     def in_flight(self) -> int:
@@ -529,6 +530,7 @@ class Dispatcher:
         """The server is at fault: no claims, no steals (PAUSED until the keeper probes, restarts or
         closes the breaker); the prompts waiting to retry go back to their queues, uncounted."""
         self._set_mode(self._mode | Mode.PAUSED)
+        self.breaker_why = why
         log.warning("%s: the server is at fault; taking no work and handing prompts back until it is probed", why)
         waiting = [t for t, f in self.tasks.items() if f.state is _OUTSIDE and t is not asyncio.current_task()]
         asyncio.get_running_loop().create_task(self._collect(waiting))

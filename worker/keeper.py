@@ -196,7 +196,7 @@ class ServerKeeper:
             self._sick_in_a_row = 0  # it served well for a long while before this: a new episode
         self._sick_in_a_row += 1
         self.sick_restarts += 1
-        reason = f"server sick: {breaker.threshold} different prompts failed in a row and {probe}"
+        reason = f"server sick: {self.dispatcher.breaker_why or 'prompts failed'}; then {probe}"
         log.error("gpu%d: %s; restarting it (%d in a row)", self.gpu, reason, self._sick_in_a_row)
         self.state, self.message = WorkerState.RESTARTING, reason
         await self.publish()

@@ -1,0 +1,127 @@
+"""The circuit breaker's rule (worker/breaker.py, pure), and the parts of a server's failure the worker
+reads from real things: the kernel's socket table (who holds a port), SGLang's start-up lines, and a
+log file on a full disk (/dev/full fails every write with ENOSPC, as a full disk does)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from batchfleet.redact import Scrubber
+from worker.breaker import Breaker
+from worker.facts import read_facts
+from worker.server import _LogPump
+from worker.startfail import fatal_line, port_holder, start_failure_reason
+
+
+# --- the breaker --------------------------------------------------------------------------------------
+def test_many_different_prompts_failing_with_nothing_succeeding_open_the_breaker() -> None:
+    b = Breaker(threshold=3)
+    assert not b.failure("a") and not b.failure("a") and not b.failure("b")  # a twice is one prompt
+    assert b.failure("c") and b.open and b.trips == 1  # the third different prompt opens it
+    assert not b.failure("d")  # already open: opened once
+    b.success()  # an answer that was on its way does not close it: the probe does
+    assert b.open
+    b.probe_ok()
+    assert not b.open and b.failing == set()
+
+
+def test_a_success_between_failures_keeps_it_closed() -> None:
+    b = Breaker(threshold=3)
+    for i in range(100):
+        b.failure(f"p{i}")
+        if i % 2:
+            b.success()
+    assert not b.open and b.trips == 0
+
+
+def test_a_prompt_attempt_counts_only_when_the_server_succeeded_since_its_last_failure() -> None:
+    b = Breaker(threshold=5)
+    assert b.counts(None)  # a first failure counts
+    b.failure("x")
+    at = b.epoch
+    assert not b.counts(at)  # failed again, nothing succeeded here since: not counted yet
+    b.success()
+    assert b.counts(at)  # the server served another prompt since: counted
+    b.trip()
+    assert b.open and not b.counts(None)  # an open breaker counts nothing
+    b.reset()  # a new server
+    assert not b.open and b.counts(at)
+
+
+def test_a_threshold_below_one_is_refused() -> None:
+    with pytest.raises(ValueError):
+        Breaker(threshold=0)
+
+
+# --- why a start failed ----------------------------------------------------------------------------------
+OOM = ("[2026-01-01 12:00:00] Scheduler hit an exception: Traceback (most recent call last):\n"
+       "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+       "8.00 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process has 6.88 GiB memory in use.\n"
+       "[2026-01-01 12:00:01] Received sigquit from a child process. It usually means the child failed.\n")
+
+
+def test_the_reason_of_an_out_of_memory_start_is_read_from_the_log() -> None:
+    assert start_failure_reason(OOM, port=30000, exit_status=-9) == (
+        "CUDA out of memory ... Tried to allocate 2.00 GiB (GPU 0 has a total capacity of 8.00 GiB of which "
+        "1.12 GiB is free)")
+
+
+def test_uvicorns_lower_case_address_already_in_use_is_fatal_and_names_the_holder() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        line = (f"[2026-01-01 12:00:00] ERROR:    [Errno 98] error while attempting to bind on address "
+                f"('127.0.0.1', {port}): address already in use")
+        assert fatal_line(line) == line.strip()
+        import os
+        assert port_holder(port) == os.getpid()  # /proc/net/tcp + /proc/self/fd
+        reason = start_failure_reason(line, port=port, exit_status=1)
+        assert reason.startswith(f"port {port} is already in use by pid {os.getpid()} (")
+    assert port_holder(port) is None  # nobody listens now
+
+
+def test_without_a_fatal_line_the_last_exception_line_or_the_exit_status_is_the_reason() -> None:
+    text = "Traceback (most recent call last):\n  File \"x\", line 1\nOSError: Repo id must use alphanumeric chars\n"
+    assert start_failure_reason(text, port=1, exit_status=1) == "OSError: Repo id must use alphanumeric chars"
+    assert start_failure_reason("nothing useful\n", port=1, exit_status=1) == "server exited with status 1"
+
+
+def test_the_kv_cache_line_of_sglang_0_5_23_is_read() -> None:
+    log_text = "[2026-01-01 12:00:00] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 81234, K size: 1.25 GB, " \
+               "V size: 1.25 GB\n"
+    facts = read_facts({}, log_text, effective=8)
+    assert facts.max_total_num_tokens == 81234 and facts.kv_gb == 2.5
+
+
+# --- a full disk under the server's log -------------------------------------------------------------------
+def test_a_full_disk_never_stops_the_worker_draining_the_servers_output(caplog: pytest.LogCaptureFixture) -> None:
+    """A server printing far more than a pipe holds (64 KiB), its log file on a full disk: it must not
+    block; every line is read, those that cannot be written are dropped and counted, one warning."""
+    lines = 20_000  # ~1.2 MB
+    child = subprocess.Popen([sys.executable, "-c", f"import sys\nfor i in range({lines}): "
+                              "sys.stdout.write(f'line {i:06d} ' + 'x' * 50 + '\\n')\nsys.stdout.flush()"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with caplog.at_level(logging.WARNING, logger="batchfleet.worker.server"):
+            pump = _LogPump(child, open("/dev/full", "ab"), Scrubber(()), name="gpu0-server-log")  # noqa: SIM115
+            deadline = time.monotonic() + 60
+            while child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert child.poll() == 0, "the server blocked on a full pipe"
+            pump.finish(10)
+        assert pump.dropped == lines
+        said = [r.getMessage() for r in caplog.records if "cannot write the server's log" in r.getMessage()]
+        assert len(said) == 1 and "No space left on device" in said[0], said
+        assert any(f"{lines} line(s) of the server's log could not be written" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)

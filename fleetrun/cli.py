@@ -353,7 +353,7 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
     screen.say(f"{started}; logs in {logs}")
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     said_down: set[tuple[str, str]] = set()
-    failed: dict[str, str] = {}  # queue -> why its GPU was marked failed (its worker takes no work)
+    failed: dict[str, str] = {}  # queue -> why its GPU cannot serve (failed, or down), as last seen
     code = EXIT_OK
     p: dict[str, Any] | None = None
     try:
@@ -361,17 +361,19 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
             for e in events.new():
                 screen.say(event_line(e))
             p = gather_progress(r, keys, store)
-            failed_now = {}
+            failed_now, down_now = {}, {}
             for d in p["workers"]["not_serving"]:  # a server that cannot start: say why, once per reason
                 why = (d["message"] or "?").strip().splitlines()[0]
                 if d["state"] == "failed":
                     failed_now[d["queue"]] = why
+                elif d["state"] == "down":
+                    down_now[d["queue"]] = why
                 if d["state"] in ("down", "failed") and (d["worker"], d["message"]) not in said_down:
                     said_down.add((d["worker"], d["message"]))
                     log = logs / f"worker-{d['queue'].rpartition('.')[2]}.log"
                     what = "GPU FAILED (takes no work)" if d["state"] == "failed" else "server DOWN"
                     screen.say(f"{d['queue']}: {what}: {why} (see {log})")
-            failed.update(failed_now)
+            failed = {**down_now, **failed_now}
             screen.progress(p)
             if p["pending"] == 0:
                 break
@@ -413,8 +415,8 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
         if bad:
             screen.say("exit codes: " + ", ".join(f"{n} {c}" for n, c in bad.items()) + f" (logs in {logs})")
     if failed and code == EXIT_OK:
-        screen.say(f"finished without {len(failed)} failed GPU(s) (their queues were served by the others): "
-                   + "; ".join(f"{q.rpartition('.')[2]}: {why}" for q, why in sorted(failed.items())))
+        screen.say(f"finished without {len(failed)} GPU(s) whose server could not serve (their queues were served by "
+                   "the others): " + "; ".join(f"{q.rpartition('.')[2]}: {why}" for q, why in sorted(failed.items())))
     if code == EXIT_INTERRUPTED:
         collect_once(r, store, keys)  # what finished while the workers drained: into the store now
         p = gather_progress(r, keys, store)

@@ -83,6 +83,7 @@ class ServerKeeper:
         self._sick_in_a_row = 0
         self._serving_since = 0.0
         self._failed_reason = ""
+        self._failed_tail = ""
         # `supervisor retry`'s token for this GPU (bf:<run>:retry): a change tells a failed GPU to try again
         self.retry_token = retry_token or _no_token
         self._death: ServerDied | None = None
@@ -135,11 +136,13 @@ class ServerKeeper:
         except ServerStartError as exc:
             self._failures += 1
             self.state, self.message = WorkerState.DOWN, str(exc)
-            log.error("gpu%d: server could not start (%d of %d in a row): %s", self.gpu, self._failures,
-                      self.config.server_start_attempts, exc)
+            why = str(exc).splitlines()[0]
+            log.error("gpu%d: server could not start (%d of %d in a row): %s (its log: %s)", self.gpu, self._failures,
+                      self.config.server_start_attempts, why, self.server.log_path)
             await self.publish()
             if self._failures >= self.config.server_start_attempts:
-                self._failed_reason = f"{exc} ({self._failures} starts failed in a row)"
+                self._failed_reason = f"{why} ({self._failures} starts failed in a row)"
+                self._failed_tail = exc.log_tail
                 return ServerPhase.FAILED
             return ServerPhase.BACKOFF
         except ConfigError as exc:
@@ -208,7 +211,7 @@ class ServerKeeper:
         await self.server.stop()
         log.info("gpu%d: sick server stopped; %d prompt(s) handed back", self.gpu, handed)
         if self._sick_in_a_row >= self.config.server_start_attempts:
-            self._failed_reason = f"{reason} ({self._sick_in_a_row} restarts in a row)"
+            self._failed_reason, self._failed_tail = f"{reason} ({self._sick_in_a_row} restarts in a row)", ""
             return ServerPhase.FAILED
         return ServerPhase.START
 
@@ -219,7 +222,8 @@ class ServerKeeper:
         self.dispatcher.pause()
         reason = self._failed_reason
         self.state = WorkerState.FAILED
-        self.message = f"{reason}; retrying in {self.config.failed_retry_s:.0f} s or on `supervisor retry`"
+        self.message = f"{reason}; retrying in {self.config.failed_retry_s:.0f} s or on `supervisor retry`" + (
+            f"\n--- server log (tail) ---\n{self._failed_tail}" if self._failed_tail else "")
         log.error("gpu%d: marked failed: %s; taking no work; its queue is served by the other GPUs (retry: "
                   "`supervisor retry %s`, or in %.0f s)", self.gpu, reason, self.spec.queue, self.config.failed_retry_s)
         await self.publish()

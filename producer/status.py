@@ -177,10 +177,11 @@ def format_status(st: dict[str, Any], *, as_json: bool) -> str:
             lines.append(f"  {w['unreadable']} status record(s) this version cannot read (a newer worker?): skipped, "
                          "see the warning")
         for d in w.get("not_serving", []):
-            if d["state"] == "down":
+            if d["state"] in ("down", "failed"):
                 why = (d["message"] or "?").rstrip().replace("\n", "\n    ")
-                lines.append(f"  worker {d['worker']} (queue {d['queue']}): server DOWN: {why}")
-        starting = sum(1 for d in w.get("not_serving", []) if d["state"] != "down")
+                what = "GPU FAILED (takes no work)" if d["state"] == "failed" else "server DOWN"
+                lines.append(f"  worker {d['worker']} (queue {d['queue']}): {what}: {why}")
+        starting = sum(1 for d in w.get("not_serving", []) if d["state"] not in ("down", "failed"))
         if starting:
             lines.append(f"  {starting} worker(s) starting or restarting their server")
     else:

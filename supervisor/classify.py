@@ -245,8 +245,9 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, si
     """(class, reasons, evidence); evidence is "static"/"gauges" for mamba-bound, "filling" for a
     client-bound server whose worker is still filling its slots, else ""."""
     last = samples[-1]
-    if last.state is WorkerState.DOWN:
-        return DOWN, [last.message or "the worker reports its server down"], ""
+    if last.state is WorkerState.DOWN or last.state is WorkerState.FAILED:  # failed: its GPU takes no work
+        return DOWN, [(f"{last.state}: " if last.state is WorkerState.FAILED else "")
+                      + (last.message or "the worker reports its server down")], ""
     if silent:
         return SILENT, ["its status record stopped changing: the worker is gone or stuck"], ""
     if last.state is not WorkerState.SERVING:

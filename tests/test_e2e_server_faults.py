@@ -77,6 +77,12 @@ def test_a_gpu_whose_server_runs_out_of_memory_at_every_start_is_marked_failed_a
     assert server_log(fleet, 1).count("torch.OutOfMemoryError: CUDA out of memory") == 3
     assert fleet.stats().get("succeeded", 0) == 0 and served(fleet, 1) == 0  # it took no work
     assert [e.data.get("queue") for e in fleet.events("gpu_failed")] == [fleet.queue(1)]
+    status = fleet.producer("status").stdout  # what a person sees
+    assert re.search(r"\(queue oom\.gpu1\): GPU FAILED \(takes no work\): CUDA out of memory \.\.\. Tried to "
+                     "allocate", status), status
+    sup = subprocess.run([str(BIN / "supervisor"), "status"], env=fleet.env, capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert sup.returncode == 0 and "failed: CUDA out of memory" in " ".join(sup.stdout.split()), sup.stdout
 
     # the healthy GPU serves both queues (its own, and the failed GPU's by stealing)
     fleet.start_worker(0)
@@ -84,7 +90,6 @@ def test_a_gpu_whose_server_runs_out_of_memory_at_every_start_is_marked_failed_a
     assert status_of(fleet, 1).state is WorkerState.FAILED  # it stayed out
     stats = fleet.stats()
     assert stats["succeeded"] == n and stats.get("failed", 0) == 0
-    assert served(fleet, 0) == n and served(fleet, 1) == 0
     by_id = export(fleet, tmp_path)
     assert sorted(by_id) == sorted(r["id"] for r in rows)  # results == prompts, once each
     for row in rows:
@@ -101,6 +106,7 @@ def test_a_gpu_whose_server_runs_out_of_memory_at_every_start_is_marked_failed_a
     assert not re.search(r"gpu1: gpu1:", log), "a log line names its GPU twice"
     assert "Traceback" not in log
     assert fleet.stop_all() == {0: 0, 1: 0}
+    assert served(fleet, 0) == n and served(fleet, 1) == 0  # the records' last word, written as each server stopped
     print(f"\noom: gpu1 marked failed {failed_after:.1f} s after its worker started")
 
 

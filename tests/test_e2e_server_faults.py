@@ -9,6 +9,7 @@ servers served, the export (results == prompts, 0 duplicated, 0 lost, 0 failed).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -225,3 +226,50 @@ def test_a_server_that_stays_sick_after_restarts_is_marked_failed_and_its_peer_f
     assert sorted(by_id) == sorted(r["id"] for r in rows)
     assert all(by_id[r["id"]]["error"] is None for r in rows)
     assert fleet.stop_all() == {0: 0, 1: 0}
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path):
+    """A directory on a 256 KiB tmpfs filled to the last byte (a full disk; needs root to mount)."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs (needs root)")
+    try:
+        (mnt / "logs").mkdir()
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(fd, b"\0" * 512)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        yield mnt / "logs"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_server_logs_fails_no_prompt(tmp_path: Path, fleets, full_disk: Path) -> None:
+    """The state dir's disk is full: the server's output is still drained (lines dropped and counted, one
+    warning), so the server never blocks on a full pipe, and every prompt succeeds."""
+    n = 150
+    fleet = fleets(run="disk", prefix="disk.", gpus=1,
+                   env={"BATCHFLEET_LOG_DIR": str(full_disk), "SGLANG_SIM_TIME_SCALE": "10"})
+    rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=64)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    fleet.start_worker(0, env={"BATCHFLEET_SERVER_ARGS": "--decode-log-interval 1"})  # a log line per decode step
+    fleet.wait_for(lambda: fleet.finished() == n, 180, "every prompt")
+    stats = fleet.stats()
+    assert stats["succeeded"] == n and stats.get("failed", 0) == 0, stats
+    assert fleet.stop_all() == {0: 0}
+    log = fleet.worker_log(0)
+    said = [x for x in log.splitlines() if "cannot write the server's log" in x]
+    assert len(said) == 1 and "No space left on device" in said[0], said  # one warning
+    dropped = re.search(r"gpu0-server-log: (\d+) line\(s\) of the server's log could not be written", log)
+    assert dropped and int(dropped.group(1)) > 100, log[-3000:]  # counted (many decode lines)
+    assert "server log copy stopped" not in log
+    by_id = export(fleet, tmp_path)
+    assert sorted(by_id) == sorted(r["id"] for r in rows)
+    assert all(by_id[r["id"]]["error"] is None for r in rows)

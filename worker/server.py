@@ -81,11 +81,9 @@ class SGLangServer:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, self.gpus)))
         logf = private_file(self.log_path, "ab")
         try:
-            try:
+            with contextlib.suppress(OSError):  # a full disk: the server starts all the same (its log pump says so)
                 logf.write(f"\n===== batchfleet: starting {shown} =====\n".encode())
                 logf.flush()
-            except OSError as exc:  # a full disk: the server starts all the same (its log pump says so)
-                log.warning("gpu%d: cannot write the server's log %s: %s", self.gpu, self.log_path, exc)
             self._log_offset = os.lseek(logf.fileno(), 0, os.SEEK_END)
             # Own session: a stop signals the whole group (SGLang forks scheduler/detokenizer processes).
             # Its output comes through a pipe and is written with every secret scrubbed: SGLang prints
@@ -96,7 +94,10 @@ class SGLangServer:
             logf.close()
             raise
         self._pump = _LogPump(self.proc, logf, self._scrub, name=f"gpu{self.gpu}-server-log")
-        write_pid_record(self.pid_path, self.proc.pid)
+        try:
+            write_pid_record(self.pid_path, self.proc.pid)
+        except OSError as exc:  # a full disk: serve all the same; a leftover of this server is then not recognised
+            log.warning("gpu%d: cannot write the server's pid file %s: %s", self.gpu, self.pid_path, exc)
         log.info("gpu%d: started server pid %d: %s", self.gpu, self.proc.pid, shown)
         await self._wait_ready()
         self.capacity = await self._discover_capacity()

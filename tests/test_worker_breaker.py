@@ -125,3 +125,95 @@ def test_a_full_disk_never_stops_the_worker_draining_the_servers_output(caplog: 
         if child.poll() is None:
             child.kill()
             child.wait(10)
+
+
+# --- the dispatcher's hook, against a real Redis ------------------------------------------------------------
+class SickAfter:
+    """A backend whose server answers HTTP 500 to everything after `ok` requests (and whose probe says
+    so), or to one poison prompt only."""
+
+    def __init__(self, ok: int = 10**9, poison: str | None = None) -> None:
+        self.ok, self.poison, self.calls = ok, poison, 0
+
+    async def __call__(self, prompt):
+        import asyncio
+
+        from batchfleet.errors import RetryableError
+
+        self.calls += 1
+        n = self.calls
+        await asyncio.sleep(0.005)
+        if n > self.ok or prompt.cid == self.poison:
+            raise RetryableError("HTTP 500: Internal Server Error", status_code=500)
+        return {"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}}
+
+    async def probe(self) -> bool:
+        return self.calls <= self.ok
+
+
+def drive(redis_url: str, backend: SickAfter, *, until, capacity: int = 8, **config):
+    """Run a dispatcher over queue gpu0 until `until(dispatcher)` (polled) or 30 s; return it."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from batchfleet.config import Config
+    from batchfleet.keys import Keys
+    from worker.dispatcher import Dispatcher
+    from worker.ledger import Ledger
+
+    async def go() -> Dispatcher:
+        client = aioredis.from_url(redis_url)
+        ledger = Ledger(client, Keys("t"), worker="w", lease_ttl_s=15)
+        d = Dispatcher(ledger, backend, config=Config(run="t", **config), worker="w", queues=lambda: ["gpu0"],
+                       probe=backend.probe)
+
+        async def no_sleep(_: float) -> None:
+            await asyncio.sleep(0)
+
+        d.retry_sleep = no_sleep
+        await d.slots.resize(capacity)
+        d.resume()
+        flusher = asyncio.create_task(ledger.run_flusher())
+        claiming = asyncio.create_task(d.run(burst=True))
+        deadline = time.monotonic() + 30
+        while not until(d) and not claiming.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        claiming.cancel()
+        await asyncio.wait({claiming})
+        await d.drain(5)
+        ledger.close()
+        await flusher
+        await client.aclose()
+        return d
+
+    return asyncio.run(go())
+
+
+def test_a_server_failing_everything_fails_no_prompt_and_takes_no_more_work(r, redis_url) -> None:
+    from rq import Queue
+
+    from .test_worker_dispatch import enqueue, results
+
+    enqueue(r, 100)
+    backend = SickAfter(ok=20)
+    d = drive(redis_url, backend, until=lambda d: d.breaker.open and not d.tasks, capacity=8, max_attempts=2)
+    assert d.breaker.open and d.failed == 0 and d.done == 20
+    got = results(r)
+    assert len(got) == 20 and all(x.ok for x in got.values())
+    assert Queue("gpu0", connection=r).count == 80  # every other prompt is back in its queue, untouched
+    calls = backend.calls
+    # nothing more was claimed once it opened: beyond the 20 served, only the prompts in hand (8), each at most
+    # twice (a first failure counts; a second asks the probe, which fails and opens it)
+    assert calls <= 20 + 2 * 8, calls
+
+
+def test_a_prompt_failing_alone_on_a_server_that_generates_still_fails_after_its_attempts(r, redis_url) -> None:
+    from .test_worker_dispatch import enqueue, results
+
+    enqueue(r, 30)
+    backend = SickAfter(poison="c7")
+    d = drive(redis_url, backend, until=lambda d: d.done + d.failed == 30, capacity=4, max_attempts=3)
+    got = results(r)
+    assert len(got) == 30 and d.failed == 1 and not got["c7"].ok and got["c7"].attempts == 3
+    assert got["c7"].error["code"] == "retries_exhausted" and not d.breaker.open

@@ -273,3 +273,14 @@ def test_a_full_disk_under_the_server_logs_fails_no_prompt(tmp_path: Path, fleet
     by_id = export(fleet, tmp_path)
     assert sorted(by_id) == sorted(r["id"] for r in rows)
     assert all(by_id[r["id"]]["error"] is None for r in rows)
+
+
+def test_a_worker_refuses_a_local_model_path_that_does_not_exist_before_starting_a_server(tmp_path: Path,
+                                                                                         fleets) -> None:
+    fleet = fleets(run="nomodel", prefix="nomodel.", gpus=1, env={"BATCHFLEET_MODEL_PATH": "/no/such/model"})
+    w = fleet.start_worker(0)
+    assert w.wait(60) == 2, fleet.worker_log(0)
+    log = fleet.worker_log(0)
+    assert "the model path '/no/such/model' (BATCHFLEET_MODEL_PATH) does not exist on this host" in log, log
+    assert "Traceback" not in log and "started server" not in log
+    assert not fleet.record_path(0).exists()  # no server ever started

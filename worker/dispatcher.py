@@ -462,7 +462,8 @@ class Dispatcher:
                     if self._mode & Mode.DRAINING:
                         await self._hand_back(flight)
                         return
-                    if exc.status_code is not None and await self._server_at_fault(flight, claim.jid):
+                    # 503 is SGLang's "request queue is full": back-pressure, not sickness (the breaker ignores it)
+                    if exc.status_code not in (None, 503) and await self._server_at_fault(flight, claim.jid):
                         return
                     # The server is gone: its keeper strikes what was inside and collects us; the
                     # wait for it is not an attempt's backoff.

@@ -235,6 +235,7 @@ class Dispatcher:
         self.breaker = Breaker(config.breaker_prompts)
         self.probe = probe or _server_generates  # does the server generate? (the keeper's health probe)
         self._probing: asyncio.Future[bool] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self.sick_handed_back = 0  # prompts handed back because the breaker was open
         self.breaker_why = ""  # why it last opened, in words
 
@@ -534,7 +535,9 @@ class Dispatcher:
         self.breaker_why = why
         log.warning("%s: the server is at fault; taking no work and handing prompts back until it is probed", why)
         waiting = [t for t, f in self.tasks.items() if f.state is _OUTSIDE and t is not asyncio.current_task()]
-        asyncio.get_running_loop().create_task(self._collect(waiting))
+        task = asyncio.get_running_loop().create_task(self._collect(waiting))
+        self._background.add(task)  # held: the loop keeps only a weak reference
+        task.add_done_callback(self._background.discard)
 
     async def _probe_once(self) -> bool:
         """The server's probe (the keeper's /health_generate), shared by the prompts that ask at once."""

@@ -200,6 +200,9 @@ def test_a_server_turning_sick_fails_no_prompt_is_restarted_and_every_prompt_is_
     assert fleet.stop_all() == {0: 0, 1: 0}
     assert "1 sick restart(s)" in fleet.worker_log(0)
     assert "retries_exhausted" not in fleet.worker_log(0) + fleet.worker_log(1)
+    print(f"\nsick after {sick_after}: {stats['succeeded']}/{n} succeeded, {stats.get('failed', 0)} failed, "
+          f"{stats.get('handed_back', 0)} handed back uncounted, {stats.get('struck', 0)} struck, 1 restart "
+          f"(pid {first_pid} -> {fleet.sim_record(0)['pid']})")
 
 
 @pytest.mark.slow

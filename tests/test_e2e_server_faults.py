@@ -287,3 +287,28 @@ def test_a_worker_refuses_a_local_model_path_that_does_not_exist_before_starting
     assert "the model path '/no/such/model' (BATCHFLEET_MODEL_PATH) does not exist on this host" in log, log
     assert "Traceback" not in log and "started server" not in log
     assert not fleet.record_path(0).exists()  # no server ever started
+
+
+@pytest.mark.slow
+def test_a_server_whose_probe_passes_but_every_request_fails_is_restarted_then_marked_failed(tmp_path: Path,
+                                                                                             fleets) -> None:
+    """Only `/health_generate` generates (every generation request answers 500): a passing probe closes
+    the breaker twice; the third time nothing succeeded since, so the server is sick all the same."""
+    n = 120
+    fleet = fleets(run="probeok", prefix="probeok.", gpus=2,
+                   env={"SGLANG_SIM_ERROR_RATE": "1.0", "SGLANG_SIM_FAULT_GPUS": "0", "SGLANG_SIM_TIME_SCALE": "10"})
+    rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=16)
+    fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+    fleet.start_worker(0)
+    fleet.wait_for(lambda: (s := status_of(fleet, 0)) is not None and s.state is WorkerState.FAILED, 180,
+                   "gpu0 to be marked failed")
+    message = status_of(fleet, 0).message
+    assert "only the probe generates" in message and "3 restarts in a row" in message, message
+    assert fleet.stats().get("failed", 0) == 0
+    fleet.start_worker(1)
+    fleet.wait_for(lambda: fleet.finished() == n, 120, "every prompt")
+    stats = fleet.stats()
+    assert stats["succeeded"] == n and stats.get("failed", 0) == 0, stats
+    by_id = export(fleet, tmp_path)
+    assert sorted(by_id) == sorted(r["id"] for r in rows) and all(x["error"] is None for x in by_id.values())
+    assert fleet.stop_all() == {0: 0, 1: 0}

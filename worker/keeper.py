@@ -43,6 +43,7 @@ __all__ = ["ServerKeeper", "ServerPhase"]
 log = logging.getLogger("batchfleet.worker")
 
 FAILED_POLL_S = 2.0  # how often a failed GPU looks for `supervisor retry` or a new spec
+PROBE_PASSES_TRUSTED = 2  # a third passed probe with no prompt succeeding since the first: restart anyway
 SICK_RESET_S = 300.0  # a server that served this long before it turned sick starts a new count of sick restarts
 
 
@@ -84,6 +85,8 @@ class ServerKeeper:
         self._serving_since = 0.0
         self._failed_reason = ""
         self._failed_tail = ""
+        self._passes_in_a_row = 0  # sick-phase probes that passed with no prompt succeeding between
+        self._done_at_pass = -1
         # `supervisor retry`'s token for this GPU (bf:<run>:retry): a change tells a failed GPU to try again
         self.retry_token = retry_token or _no_token
         self._death: ServerDied | None = None
@@ -190,11 +193,20 @@ class ServerKeeper:
         except ServerDied as exc:
             probe = str(exc)
         else:
-            log.warning("gpu%d: %d different prompts failed in a row, but /health_generate generates: the failures "
-                        "were the prompts'; taking work again", self.gpu, breaker.threshold)
-            breaker.probe_ok()
-            self.dispatcher.resume()
-            return ServerPhase.SERVE
+            # Its probe generates. Unless that is all it does: the breaker opening again and again with no
+            # prompt succeeding between (only the probe passes) is a sick server too.
+            done = self.dispatcher.done
+            self._passes_in_a_row = self._passes_in_a_row + 1 if done == self._done_at_pass else 1
+            self._done_at_pass = done
+            if self._passes_in_a_row < PROBE_PASSES_TRUSTED + 1:
+                log.warning("gpu%d: %s, but /health_generate generates: the failures were the prompts'; taking work "
+                            "again", self.gpu, self.dispatcher.breaker_why)
+                breaker.probe_ok()
+                self.dispatcher.resume()
+                return ServerPhase.SERVE
+            probe = (f"its probe passed {self._passes_in_a_row} times in a row while no prompt succeeded: only the "
+                     "probe generates")
+        self._passes_in_a_row = 0
         if time.monotonic() - self._serving_since > SICK_RESET_S:
             self._sick_in_a_row = 0  # it served well for a long while before this: a new episode
         self._sick_in_a_row += 1

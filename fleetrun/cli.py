@@ -378,7 +378,8 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
             if p["pending"] == 0:
                 break
             ours = set(queues_of(config.run, gpu_groups(gpus)))
-            if ours <= set(failed_now):  # no GPU can serve: waiting longer cannot help
+            # no GPU can serve (ours all failed, and no live worker elsewhere on this Redis can): waiting cannot help
+            if ours <= set(failed_now) and len(failed_now) >= p["workers"]["live"]:
                 screen.say("no GPU can serve; each was marked failed:\n" + "\n".join(
                     f"  {q.rpartition('.')[2]}: {failed_now[q]}" for q in sorted(ours)))
                 code = EXIT_ERROR

@@ -28,7 +28,7 @@ from batchfleet.records import ENDPOINTS
 from producer.enqueue import BATCH, cost_of
 from producer.inputs import MAX_LINE_BYTES, Lines
 from producer.parse import Reject, parse_line
-from producer.store import FileFingerprint, Span, Store, canonical, fingerprint
+from producer.store import FileFingerprint, Span, Store, canonical_request
 
 __all__ = ["MAX_ERRORS", "Validated", "validate_into"]
 
@@ -92,7 +92,7 @@ def _read(store: Store, out: Validated, prefix: str, endpoint: str, path: Path, 
     ep = _EP[endpoint]
     with Lines(str(path)) as lines:
         for lineno, raw, length in lines:
-            if not raw.strip():
+            if not raw or raw.isspace():
                 continue
             if length > len(raw):
                 _error(out, "invalid_request", f"line of {length:,} bytes is longer than any request may be "
@@ -116,22 +116,23 @@ def _read(store: Store, out: Validated, prefix: str, endpoint: str, path: Path, 
                 out.model = body.get("model") if isinstance(body.get("model"), str) else None
             if len(out.errors) >= MAX_ERRORS:
                 return  # the batch fails; enough said
-            canon = canonical(body)
-            fp = fingerprint(url, canon, is_canonical=True)
+            canon, fp = canonical_request(url, body)
             rows.append((prefix + cid, ep, canon, out.input_id, lineno, cost_of(body), fp))
-            file_fp.add(cid, fp)
             if len(rows) >= BATCH:
-                _insert(store, out, rows, prefix)
-        _insert(store, out, rows, prefix)
+                _insert(store, out, rows, prefix, file_fp)
+        _insert(store, out, rows, prefix, file_fp)
         if not out.errors:
             store.record_input(out.input_id, lines.path, file_fp, time.time())
 
 
 def _insert(store: Store, out: Validated, rows: list[tuple[str, int, bytes, int, int, int, bytes]],
-            prefix: str) -> None:
-    """Store these rows; a custom_id already stored (an earlier line of this batch) is an error."""
+            prefix: str, file_fp: FileFingerprint) -> None:
+    """Store these rows and add them to the file's fingerprint; a custom_id already stored (an earlier
+    line of this batch) is an error."""
     if not rows:
         return
+    cut = len(prefix)
+    file_fp.add_many((r[0][cut:], r[6]) for r in rows)
     n = store.insert_prompts(rows)  # also once the batch has failed (rolled back at the end): repeats show
     if n < len(rows):
         known = store.known([r[0] for r in rows])

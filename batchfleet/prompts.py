@@ -92,6 +92,7 @@ BODY_KEYS: dict[str, _Check] = {
     "tool_choice": (lambda v: isinstance(v, str | dict), "a string or an object"),
     "logit_bias": (lambda v: isinstance(v, dict), "an object"),
 }
+_SPECS = {**SAMPLING_KEYS, **BODY_KEYS}  # every key a body may hold besides messages and prompt
 # Other spellings an input line may use; a body as sent holds the canonical name only.
 ALIASES = {"max_new_tokens": "max_tokens"}
 
@@ -159,7 +160,7 @@ def check_body(url: Any, body: Any, *, size_bytes: int | None = None) -> None:
             continue
         if key == "stream":
             raise InvalidPrompt(STREAM_REASON)
-        spec = BODY_KEYS.get(key) or SAMPLING_KEYS.get(key)
+        spec = _SPECS.get(key)
         if spec is None:
             raise InvalidPrompt(f"unknown sampling key {key!r}")
         if not spec[0](value):

@@ -31,6 +31,7 @@ import uuid
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -42,7 +43,7 @@ from batchfleet.redact import private_file
 from .inputs import MAX_LINE_BYTES, Lines
 from .parse import Reject, parse_line
 from .progress import Reporter
-from .store import UNBOUNDED_COST, FileFingerprint, Known, State, Store, StoreError, canonical, fingerprint
+from .store import UNBOUNDED_COST, FileFingerprint, Known, State, Store, StoreError, canonical_request
 
 __all__ = ["ChangedRequests", "EmptyInput", "EnqueueSummary", "cost_of", "enqueue_file"]
 
@@ -124,14 +125,26 @@ class _Rejects:
 
 
 class _Row(NamedTuple):
+    """A valid line as `_Writer.flush` sorts it out: the store's columns first (`row[:7]` is what
+    `Store.insert_prompts` takes), then the line itself for a reject."""
+
     cid: str
     ep: int
     body: bytes
+    file: int
     line: int
     cost: int
     fp: bytes
     raw: bytes
     length: int
+
+
+# _Row from a tuple without NamedTuple's own __new__ (a Python function): one of these a line
+_row = partial(tuple.__new__, _Row)
+
+
+def _line(row: _Row) -> int:
+    return row.line
 
 
 class _FirstLines:
@@ -219,9 +232,8 @@ class _Writer:
         self.batch: list[_Row] = []
 
     def add(self, cid: str, url: str, body: dict[str, Any], lineno: int, raw: bytes, length: int) -> None:
-        canon = canonical(body)  # stored so: one encoding serves the store and the fingerprint
-        self.batch.append(_Row(cid, _EP[url], canon, lineno, cost_of(body), fingerprint(url, canon, is_canonical=True),
-                               raw, length))
+        canon, fp = canonical_request(url, body)  # stored so: one encoding serves the store and the fingerprint
+        self.batch.append(_row((cid, _EP[url], canon, self.file_id, lineno, cost_of(body), fp, raw, length)))
         if len(self.batch) >= BATCH:
             self.flush()
 
@@ -247,7 +259,9 @@ class _Writer:
             staged = self.stage.first(cids) if self.stage is not None else {}
             here: dict[str, tuple[int, bytes]] = {}  # new custom_ids first seen in this batch: (line, fp)
             changed_here: dict[int, bytes] = {}  # stored prompts whose first line here (this batch) changed
-            for row in batch:
+            if not known and not staged and len(cids) == len(batch):
+                fresh = batch  # as the loop below finds: no custom_id known, none twice
+            for row in batch if fresh is not batch else ():
                 k = known.get(row.cid)
                 if k is not None and not self._mine(k):  # in the store before this file
                     first = self.first_lines.get(k.seq)
@@ -274,8 +288,7 @@ class _Writer:
                 here[row.cid] = (row.line, row.fp)
                 fresh.append(row)
             if self.stage is None:
-                n = self.store.insert_prompts([(r.cid, r.ep, r.body, self.file_id, r.line, r.cost, r.fp)
-                                               for r in fresh])
+                n = self.store.insert_prompts([r[:7] for r in fresh])
                 s.new += n
                 if n < len(fresh):  # some were stored already: by an earlier line of this file, or meanwhile
                     back = self.store.known([r.cid for r in fresh])
@@ -293,8 +306,8 @@ class _Writer:
                     failed = self.store.replace_requests(replace)
         if self.stage is not None:
             self.stage.add(fresh)
-        for row in sorted(firsts + fresh, key=lambda r: r.line):
-            self.file_fp.add(row.cid, row.fp)
+        # in file order (`fresh` is, and so is `firsts`)
+        self.file_fp.add_many((r.cid, r.fp) for r in (sorted(firsts + fresh, key=_line) if firsts else fresh))
         if failed and self.take_failed is not None:
             self.take_failed(failed)  # their failed jobs leave RQ's registry: the feed writes the new ones
         for row, first, same in sorted(repeats, key=lambda rep: rep[0].line):
@@ -366,7 +379,7 @@ def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model
             summary.lines += 1
             if lineno % BATCH == 0:
                 report.update(summary.lines, source.nbytes)
-            if not raw.strip():
+            if not raw or raw.isspace():
                 summary.blank += 1
                 continue
             if length > len(raw):

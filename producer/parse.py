@@ -73,8 +73,13 @@ def _cid(d: dict[str, Any], *names: str) -> str:
 
 
 def _fill(body: dict[str, Any], sampling: dict[str, Any], defaults: dict[str, Any], model: str) -> None:
+    """Put the line's sampling keys (by their canonical names), the defaults and the model into `body`.
+    A key that is no sampling key is refused here; the values are checked by `check_body`, once."""
     for k, v in sampling.items():
-        body[check_sampling(k, v)] = v
+        key = _ALIASES.get(k, k)
+        if key not in SAMPLING_KEYS:
+            check_sampling(k, v)  # raises: an unknown key (also a body key given as sampling) or stream
+        body[key] = v
     for k, v in defaults.items():
         body.setdefault(k, v)
     body.setdefault("model", model)

@@ -43,7 +43,7 @@ import socket
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
@@ -55,7 +55,7 @@ from batchfleet.records import ENDPOINTS, Result
 from batchfleet.redact import private_dir
 
 __all__ = ["UNBOUNDED_COST", "FileFingerprint", "Input", "Known", "MissingStore", "Span", "State", "Store",
-           "StoreError", "canonical", "fingerprint"]
+           "StoreError", "canonical", "canonical_request", "fingerprint"]
 
 SCHEMA_VERSION = "3"  # 3: request fingerprints, reruns, input files' paths and fingerprints
 UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so it goes first
@@ -108,6 +108,9 @@ def canonical(body: dict[str, Any]) -> bytes:
     return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
 
 
+_FP_SEEDS = {url: hashlib.blake2b(url.encode() + b"\n", digest_size=16) for url in ENDPOINTS}
+
+
 def fingerprint(url: str, body: dict[str, Any] | bytes, *, is_canonical: bool = False) -> bytes:
     """A request's fingerprint: 16 bytes of BLAKE2b over its endpoint and its canonical body (after the
     defaults and per-file options enqueue applied). Two lines ask the same of the server exactly when
@@ -116,7 +119,22 @@ def fingerprint(url: str, body: dict[str, Any] | bytes, *, is_canonical: bool = 
         body = bytes(body) if is_canonical else canonical(orjson.loads(body))
     else:
         body = canonical(body)
-    return hashlib.blake2b(url.encode() + b"\n" + body, digest_size=16).digest()
+    return _fingerprint(url, body)
+
+
+def _fingerprint(url: str, canon: bytes) -> bytes:
+    seed = _FP_SEEDS.get(url)
+    h = seed.copy() if seed is not None else hashlib.blake2b(url.encode() + b"\n", digest_size=16)
+    h.update(canon)
+    return h.digest()
+
+
+def canonical_request(url: str, body: dict[str, Any]) -> tuple[bytes, bytes]:
+    """(`canonical(body)`, `fingerprint(url, body)`) from one encoding: what enqueue and serve store
+    for every line. The bytes kept are a copy of orjson's result: a batch holding thousands of
+    orjson's own results costs a page fault each (~3 us), the copy a tenth of that."""
+    out = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    return bytes(memoryview(out)), _fingerprint(url, out)
 
 
 class FileFingerprint:
@@ -129,9 +147,16 @@ class FileFingerprint:
         self.prompts = 0
 
     def add(self, cid: str, fp: bytes) -> None:
-        raw = cid.encode("utf-8", "surrogatepass")
-        self._h.update(len(raw).to_bytes(4, "big") + raw + fp)  # length-prefixed: any custom_id, no ambiguity
-        self.prompts += 1
+        self.add_many(((cid, fp),))
+
+    def add_many(self, prompts: Iterable[tuple[str, bytes]]) -> None:
+        """`add` each (custom_id, fingerprint), in one update of the hash."""
+        parts: list[bytes] = []
+        for cid, fp in prompts:
+            raw = cid.encode("utf-8", "surrogatepass")
+            parts += (len(raw).to_bytes(4, "big"), raw, fp)  # length-prefixed: any custom_id, no ambiguity
+        self._h.update(b"".join(parts))
+        self.prompts += len(parts) // 3
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()

@@ -48,8 +48,11 @@ class InvalidPrompt(ValueError):
     """This request cannot be sent to a server; the message says why (a person can act on it)."""
 
 
+_NUMBER = int | float  # made once: `int | float` in a call makes a new union each time
+
+
 def _num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+    return isinstance(v, _NUMBER) and not isinstance(v, bool)
 
 
 def _int(v: Any) -> bool:
@@ -63,10 +66,11 @@ def _str_list(v: Any) -> bool:
 # key -> (type check, what the check wants, for the message)
 _Check = tuple[Callable[[Any], bool], str]
 SAMPLING_KEYS: dict[str, _Check] = {
-    "max_tokens": (lambda v: _int(v) and v > 0, "a positive integer"),
-    "max_completion_tokens": (lambda v: _int(v) and v > 0, "a positive integer"),
+    "max_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive integer"),
+    "max_completion_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                              "a positive integer"),
     "min_tokens": (lambda v: _int(v) and v >= 0, "a non-negative integer"),
-    "temperature": (lambda v: _num(v) and v >= 0, "a number >= 0"),
+    "temperature": (lambda v: isinstance(v, _NUMBER) and not isinstance(v, bool) and v >= 0, "a number >= 0"),
     "top_p": (lambda v: _num(v) and 0 < v <= 1, "a number in (0, 1]"),
     "top_k": (_int, "an integer (-1: off)"),
     "min_p": (lambda v: _num(v) and 0 <= v <= 1, "a number in [0, 1]"),
@@ -156,12 +160,12 @@ def check_body(url: Any, body: Any, *, size_bytes: int | None = None) -> None:
             raise InvalidPrompt("body has no prompt")
         check_prompt(body["prompt"])
     for key, value in body.items():
-        if key in ("messages", "prompt"):
-            continue
-        if key == "stream":
-            raise InvalidPrompt(STREAM_REASON)
         spec = _SPECS.get(key)
         if spec is None:
+            if key in ("messages", "prompt"):
+                continue
+            if key == "stream":
+                raise InvalidPrompt(STREAM_REASON)
             raise InvalidPrompt(f"unknown sampling key {key!r}")
         if not spec[0](value):
             raise InvalidPrompt(f"{key} must be {spec[1]}, got {_shown(value)}")

@@ -43,6 +43,7 @@ Reject = InvalidPrompt
 # Accepted in a batch body besides the sampling keys: they shape the request, not the sampling.
 _BODY_KEYS = frozenset({"messages", "prompt", *BODY_KEYS})
 _BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
+_PLAIN_KEYS = frozenset({*_BODY_KEYS, *SAMPLING_KEYS})  # a body of these needs no sorting out (check_body checks it)
 _SIMPLE_KEYS = frozenset({"id", "custom_id", "prompt", "messages", "sampling_params", "model"})
 _ALIASES = ALIASES
 
@@ -107,8 +108,8 @@ def parse_line(raw: bytes | str, defaults: dict[str, Any], model: str, *,
 
 
 def _parse_batch(d: dict[str, Any], defaults: dict[str, Any], model: str) -> tuple[str, str, dict[str, Any]]:
-    unknown = sorted(k for k in d if k not in _BATCH_KEYS)
-    if unknown:  # like the simple form, which rejects an unknown key as an unknown sampling key
+    if not _BATCH_KEYS.issuperset(d):  # like the simple form, which rejects an unknown key as an unknown sampling key
+        unknown = sorted(k for k in d if k not in _BATCH_KEYS)
         raise Reject(f"unknown key {unknown[0]!r} in a batch-form line (it takes custom_id, method, url, body; "
                      "sampling parameters go inside body)")
     cid = _cid(d, "custom_id")
@@ -122,6 +123,10 @@ def _parse_batch(d: dict[str, Any], defaults: dict[str, Any], model: str) -> tup
         raise Reject("body must be an object")
     if body.get("stream"):
         raise Reject(STREAM_REASON)
+    if _PLAIN_KEYS.issuperset(body):  # every key by its own name, no alias, no stream: the body as it is
+        out = dict(body)
+        _fill(out, {}, defaults, model)
+        return cid, url, out
     out: dict[str, Any] = {}
     sampling: dict[str, Any] = {}
     for k, v in body.items():

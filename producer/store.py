@@ -59,6 +59,10 @@ __all__ = ["UNBOUNDED_COST", "FileFingerprint", "Input", "Known", "MissingStore"
 
 SCHEMA_VERSION = "3"  # 3: request fingerprints, reruns, input files' paths and fingerprints
 UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so it goes first
+# Pages of a new store: 16 KiB, not SQLite's 4 KiB. An enqueue (a serve batch) writes its prompts in big
+# transactions; with a quarter of the pages to link, checksum and append to the WAL, storing 50,000
+# requests of ~260 B takes ~25% less time (a store made before keeps its pages).
+PAGE_SIZE = 16384
 _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 FEED_ORDER = "feed_order"  # meta key: "input" feeds older inputs first (see `order_feed_by_input`)
 _WAITING_BY_INPUT = "CREATE INDEX IF NOT EXISTS prompts_waiting_input ON prompts(file, cost DESC, seq) WHERE state = 0"
@@ -134,7 +138,12 @@ def canonical_request(url: str, body: dict[str, Any]) -> tuple[bytes, bytes]:
     for every line. The bytes kept are a copy of orjson's result: a batch holding thousands of
     orjson's own results costs a page fault each (~3 us), the copy a tenth of that."""
     out = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
-    return bytes(memoryview(out)), _fingerprint(url, out)
+    seed = _FP_SEEDS.get(url)
+    if seed is None:
+        return bytes(memoryview(out)), _fingerprint(url, out)
+    h = seed.copy()
+    h.update(out)
+    return bytes(memoryview(out)), h.digest()
 
 
 class FileFingerprint:
@@ -342,6 +351,7 @@ class Store:
             db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, timeout=60.0)
         else:
             db = sqlite3.connect(path, isolation_level=None, timeout=60.0)
+            db.execute(f"PRAGMA page_size={PAGE_SIZE}")  # a store being made (`_create`); no-op on one made
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes; WAL-safe
         db.execute("PRAGMA cache_size=-65536")  # 64 MiB: the unique cid index of a 10M-prompt run

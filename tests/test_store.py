@@ -13,7 +13,17 @@ import orjson
 import pytest
 
 from producer.enqueue import cost_of
-from producer.store import UNBOUNDED_COST, MissingStore, State, Store, StoreError, fingerprint
+from producer.store import (
+    UNBOUNDED_COST,
+    FileFingerprint,
+    MissingStore,
+    State,
+    Store,
+    StoreError,
+    canonical,
+    canonical_request,
+    fingerprint,
+)
 
 
 def rows(n: int, *, start: int = 0, file_id: int = 1) -> list[tuple[str, int, bytes, int, int, int, bytes]]:
@@ -32,10 +42,32 @@ def check_tally(store: Store) -> None:
         t["waiting"], t["fed"], t["ok"], t["done"], t["cancelled"])
 
 
+def test_fingerprints_do_not_depend_on_how_a_request_is_written_and_never_change() -> None:
+    """The one encoding enqueue and serve store (canonical_request) is canonical() and fingerprint();
+    key order and whitespace change neither; the values are those stores hold already (pinned)."""
+    url = "/v1/chat/completions"
+    one = orjson.loads(b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":8}')
+    two = orjson.loads(b'{ "max_tokens": 8, "messages": [ {"content": "hi", "role": "user"} ], "model": "m" }')
+    assert list(one) != list(two)
+    for body in (one, two):
+        assert canonical_request(url, body) == (canonical(body), fingerprint(url, body))
+        assert fingerprint(url, body).hex() == "3ecd87670e8862952609b74c35a3ffc0"
+    assert fingerprint("/v1/completions", one) != fingerprint(url, one)
+    assert fingerprint(url, orjson.dumps(two)) == fingerprint(url, one)  # JSON bytes are canonicalised
+    many = FileFingerprint()
+    many.add_many([("a", b"1" * 16), ("b\u00e9", b"2" * 16)])
+    each = FileFingerprint()
+    each.add("a", b"1" * 16)
+    each.add("b\u00e9", b"2" * 16)
+    assert many.hexdigest() == each.hexdigest() == "c07a56e1ca0924420de388b16cc9d193"
+    assert many.prompts == each.prompts == 2
+
+
 def test_a_new_store_is_private_and_keeps_its_identity(tmp_path: Path) -> None:
     path = tmp_path / "state" / "r.sqlite"
     s = Store.create_or_open(path, run="r")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert s.db.execute("PRAGMA page_size").fetchone()[0] == 16384  # fewer, bigger pages: faster big enqueues
     sid = s.id
     s.close()
     again = Store.create_or_open(path, run="r")

@@ -48,7 +48,10 @@ class InvalidPrompt(ValueError):
     """This request cannot be sent to a server; the message says why (a person can act on it)."""
 
 
-_NUMBER = int | float  # made once: `int | float` in a call makes a new union each time
+# Unions made once: `int | float` in a call makes a new union object each time
+_NUMBER = int | float
+_STR_OR_LIST = str | list
+_STR_OR_DICT = str | dict
 
 
 def _num(v: Any) -> bool:
@@ -93,7 +96,7 @@ BODY_KEYS: dict[str, _Check] = {
     "model": (lambda v: isinstance(v, str), "a string"),
     "user": (lambda v: isinstance(v, str), "a string"),
     "tools": (lambda v: isinstance(v, list), "a list"),
-    "tool_choice": (lambda v: isinstance(v, str | dict), "a string or an object"),
+    "tool_choice": (lambda v: isinstance(v, _STR_OR_DICT), "a string or an object"),
     "logit_bias": (lambda v: isinstance(v, dict), "an object"),
 }
 _SPECS = {**SAMPLING_KEYS, **BODY_KEYS}  # every key a body may hold besides messages and prompt
@@ -130,7 +133,7 @@ def check_messages(v: Any) -> None:
             raise InvalidPrompt(f"messages[{i}] must be an object with a string 'role'")
         content = m.get("content")
         # content may be a list of parts (multimodal) or null on an assistant tool-call turn
-        if not (isinstance(content, str | list) or (content is None and m["role"] == "assistant")):
+        if not (isinstance(content, _STR_OR_LIST) or (content is None and m["role"] == "assistant")):
             raise InvalidPrompt(f"messages[{i}].content must be a string or a list of parts")
 
 

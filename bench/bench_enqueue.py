@@ -1,7 +1,7 @@
 """Enqueue into the store, the memory it costs, and what a queued prompt costs in Redis — each beside
 RQ's `Queue.enqueue_many` measured in the same run.
 
-    .venv/bin/python bench/bench_enqueue.py [--n 1000000] [--baseline-n 200000] [--layout-n 50000]
+    .venv/bin/python bench/bench_enqueue.py [--n 1000000] [--baseline-n 200000] [--layout-n 50000] [--against DIR]
 
 1. store: N short generated prompts, `producer enqueue FILE` as a subprocess against a private
    redis-server, with `producer head` running beside it (it feeds each queue's window as the store
@@ -10,6 +10,10 @@ RQ's `Queue.enqueue_many` measured in the same run.
    Baseline: RQ's enqueue_many puts every prompt in Redis; it runs on the first `baseline-n` prompts
    of the same file (10M would need ~20 GB of Redis), and its Redis bytes per prompt give the
    projection for N.
+   With `--against DIR` (a checkout of another commit, e.g. `git worktree add --detach /tmp/c7aa53c
+   c7aa53c`), `producer enqueue` of the same file from this tree and from DIR (its code on
+   PYTHONPATH, this venv), `--ab-repeat` times each, interleaved, without a head, each into a fresh
+   store: the median and the range of each, and the ratio of the medians.
 2. layout: `layout-n` prompts of `words` random words each, all queued (a window as big as the run),
    Redis bytes per queued prompt beyond its text: our job layout vs enqueue_many's. Best of `repeat`.
 """
@@ -19,7 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -176,6 +182,43 @@ def bench_store(a: argparse.Namespace, work: Path) -> None:
     sys.stdout.flush()
 
 
+def enqueue_from(tree: Path, path: Path, url: str, state: Path, run: str) -> float:
+    """`producer enqueue` of `path` with the code of `tree` (on PYTHONPATH): its own prompts/s figure."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHFLEET_")}
+    env["PYTHONPATH"] = str(tree)
+    done = subprocess.run([sys.executable, "-c", "import sys; from producer.cli import main; sys.exit(main())",
+                           "--redis-url", url, "--run", run, "--state-dir", str(state), "enqueue", str(path),
+                           "--queues", f"{run}.gpu0", "--no-progress"],
+                          env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
+    m = re.search(r"lines in \S+ s \(([\d,]+)/s\)", done.stdout + done.stderr)
+    if done.returncode != 0 or m is None:
+        raise SystemExit(f"producer enqueue ({tree}) failed: {done.stdout}{done.stderr}")
+    return float(m.group(1).replace(",", ""))
+
+
+def bench_against(a: argparse.Namespace, work: Path) -> None:
+    here, there = Path(__file__).resolve().parents[1], Path(a.against).resolve()
+    path = work / "short.jsonl"
+    if not path.exists():
+        short_prompts(path, a.n)
+    rates: dict[Path, list[float]] = {here: [], there: []}
+    with PrivateRedis() as redis_proc:
+        for i in range(a.ab_repeat):  # interleaved, so the machine's load falls on both alike
+            for tree in (here, there):
+                run = f"ab{i}{'t' if tree == there else 'h'}"
+                rates[tree].append(enqueue_from(tree, path, redis_proc.url, work / run, run))
+                shutil.rmtree(work / run)
+                redis.Redis.from_url(redis_proc.url).flushall()
+    med = {tree: statistics.median(r) for tree, r in rates.items()}
+    print(f"producer enqueue of the same {a.n:,} short prompts, this tree and {there}, {a.ab_repeat} times each "
+          f"interleaved (no head): median (range)")
+    for tree, label in ((here, "this tree"), (there, there.name)):
+        print(f"  {label:<24} : {med[tree]:>10,.0f} prompts/s   ({min(rates[tree]):,.0f}-{max(rates[tree]):,.0f})")
+    print(f"  ratio                    : {med[here] / med[there]:>10.2f}x   (per pair: "
+          f"{', '.join(f'{x / y:.2f}' for x, y in zip(rates[here], rates[there], strict=True))})")
+    sys.stdout.flush()
+
+
 def bench_layout(a: argparse.Namespace, work: Path) -> None:
     queues = tuple(f"gpu{i}" for i in range(a.queues))
     path = work / "worded.jsonl"
@@ -218,10 +261,14 @@ def main() -> None:
     ap.add_argument("--queues", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", choices=("store", "layout"))
+    ap.add_argument("--against", metavar="DIR", help="also enqueue the same file with the code of this checkout")
+    ap.add_argument("--ab-repeat", type=int, default=3, help="runs of each tree with --against")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-enqueue-") as tmp:
         if a.only != "layout":
             bench_store(a, Path(tmp))
+            if a.against:
+                bench_against(a, Path(tmp))
         if a.only != "store":
             bench_layout(a, Path(tmp))
 

@@ -44,6 +44,7 @@ Reject = InvalidPrompt
 _BODY_KEYS = frozenset({"messages", "prompt", *BODY_KEYS})
 _BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
 _PLAIN_KEYS = frozenset({*_BODY_KEYS, *SAMPLING_KEYS})  # a body of these needs no sorting out (check_body checks it)
+_NONE: dict[str, Any] = {}  # no sampling_params (never written to)
 _SIMPLE_KEYS = frozenset({"id", "custom_id", "prompt", "messages", "sampling_params", "model"})
 _ALIASES = ALIASES
 
@@ -64,10 +65,13 @@ def _cid(d: dict[str, Any], *names: str) -> str:
     for name in names:
         if name in d:
             v = d[name]
-            if isinstance(v, bool) or not isinstance(v, str | int):
+            if isinstance(v, str):
+                cid = v
+            elif isinstance(v, int) and not isinstance(v, bool):
+                cid = str(v)
+            else:
                 raise Reject(f"{name} must be a string or an integer")
-            cid = str(v)
-            if not cid.strip():
+            if not cid or cid.isspace():
                 raise Reject(f"{name} is empty")
             return cid
     raise Reject(f"no {' or '.join(names)}")
@@ -146,7 +150,7 @@ def _parse_simple(d: dict[str, Any], defaults: dict[str, Any], model: str) -> tu
     if has_prompt == has_messages:
         raise Reject("both prompt and messages" if has_prompt else "no prompt or messages")
     sampling = {k: v for k, v in d.items() if k not in _SIMPLE_KEYS}
-    nested = d.get("sampling_params", {})
+    nested = d.get("sampling_params", _NONE)
     if not isinstance(nested, dict):
         raise Reject("sampling_params must be an object")
     for k, v in nested.items():

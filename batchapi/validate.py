@@ -89,7 +89,7 @@ def _read(store: Store, out: Validated, prefix: str, endpoint: str, path: Path, 
     file_fp = FileFingerprint()
     rows: list[tuple[str, int, bytes, int, int, int, bytes]] = []
     assert out.input_id is not None
-    ep = _EP[endpoint]
+    ep, input_id, errors, append = _EP[endpoint], out.input_id, out.errors, rows.append
     with Lines(str(path)) as lines:
         for lineno, raw, length in lines:
             if not raw or raw.isspace():
@@ -114,10 +114,10 @@ def _read(store: Store, out: Validated, prefix: str, endpoint: str, path: Path, 
                 return
             if out.model is None:
                 out.model = body.get("model") if isinstance(body.get("model"), str) else None
-            if len(out.errors) >= MAX_ERRORS:
+            if len(errors) >= MAX_ERRORS:
                 return  # the batch fails; enough said
             canon, fp = canonical_request(url, body)
-            rows.append((prefix + cid, ep, canon, out.input_id, lineno, cost_of(body), fp))
+            append((prefix + cid, ep, canon, input_id, lineno, cost_of(body), fp))
             if len(rows) >= BATCH:
                 _insert(store, out, rows, prefix, file_fp)
         _insert(store, out, rows, prefix, file_fp)

@@ -7,7 +7,8 @@ what answering polls costs the server — each beside its baseline in the same r
    subprocess (its own lines/s figure, as bench_enqueue reports it), then the same file through a
    running `batchfleet serve` with the `openai` client: `files.create`, `batches.create`, and
    `batches.retrieve` until the batch is `in_progress` (validated, every prompt in the store), timed
-   from the client. Best of `repeat` each; the ratio serve / enqueue.
+   from the client. `repeat` times each, interleaved: the median and range of each, the ratio of the
+   medians and the ratio of each pair.
 2. polls: a batch in progress whose request_counts change every second (a stand-in worker answers
    prompts with the worker's own Ledger, the head collects them), polled at `polls-per-s` with
    `batches.retrieve` for `seconds`; the serve process's CPU seconds (utime + stime of the process
@@ -24,6 +25,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -173,13 +175,16 @@ def main() -> int:
                 took.append((t, up))
             assert sv is not None
             try:
-                best, upload = min(took)
-                enq, srv = max(rates), args.n / best
-                print(f"upload + validate, {args.n:,} lines ({size / 1e6:.1f} MB), best of {args.repeat}:")
-                print(f"  producer enqueue        {enq:>10,.0f} lines/s")
-                print(f"  serve (openai client)   {srv:>10,.0f} lines/s   ({best:.2f} s: files.create "
-                      f"{upload:.2f} s, then batches.create and retrieve until in_progress)")
-                print(f"  ratio serve / enqueue   {srv / enq:>10.2f}")
+                serves = [args.n / t for t, _ in took]
+                enq, srv = statistics.median(rates), statistics.median(serves)
+                mid, upload = statistics.median(t for t, _ in took), statistics.median(up for _, up in took)
+                print(f"upload + validate, {args.n:,} lines ({size / 1e6:.1f} MB), {args.repeat} times each "
+                      "interleaved: median (range)")
+                print(f"  producer enqueue        {enq:>10,.0f} lines/s   ({min(rates):,.0f}-{max(rates):,.0f})")
+                print(f"  serve (openai client)   {srv:>10,.0f} lines/s   ({min(serves):,.0f}-{max(serves):,.0f}; "
+                      f"{mid:.2f} s: files.create {upload:.2f} s, then batches.create and retrieve until in_progress)")
+                print(f"  ratio serve / enqueue   {srv / enq:>10.2f}   (per pair: "
+                      f"{', '.join(f'{x / y:.2f}' for x, y in zip(serves, rates, strict=True))})")
                 stop = threading.Event()
                 worker = threading.Thread(target=stand_in_worker, args=(rp.url, sv.run, 50.0, stop), daemon=True)
                 worker.start()

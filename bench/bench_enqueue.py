@@ -11,9 +11,9 @@ RQ's `Queue.enqueue_many` measured in the same run.
    of the same file (10M would need ~20 GB of Redis), and its Redis bytes per prompt give the
    projection for N.
    With `--against DIR` (a checkout of another commit, e.g. `git worktree add --detach /tmp/c7aa53c
-   c7aa53c`), `producer enqueue` of the same file from this tree and from DIR (its code on
-   PYTHONPATH, this venv), `--ab-repeat` times each, interleaved, without a head, each into a fresh
-   store: the median and the range of each, and the ratio of the medians.
+   c7aa53c`; repeatable), `producer enqueue` of the same file from this tree and from each DIR (its
+   code on PYTHONPATH, this venv), `--ab-repeat` times each, interleaved, without a head, each into a
+   fresh store: the median and the range of each, and this tree's ratio to each.
 2. layout: `layout-n` prompts of `words` random words each, all queued (a window as big as the run),
    Redis bytes per queued prompt beyond its text: our job layout vs enqueue_many's. Best of `repeat`.
 """
@@ -197,25 +197,27 @@ def enqueue_from(tree: Path, path: Path, url: str, state: Path, run: str) -> flo
 
 
 def bench_against(a: argparse.Namespace, work: Path) -> None:
-    here, there = Path(__file__).resolve().parents[1], Path(a.against).resolve()
+    here = Path(__file__).resolve().parents[1]
+    trees = [here, *(Path(d).resolve() for d in a.against)]
     path = work / "short.jsonl"
     if not path.exists():
         short_prompts(path, a.n)
-    rates: dict[Path, list[float]] = {here: [], there: []}
+    rates: dict[Path, list[float]] = {tree: [] for tree in trees}
     with PrivateRedis() as redis_proc:
-        for i in range(a.ab_repeat):  # interleaved, so the machine's load falls on both alike
-            for tree in (here, there):
-                run = f"ab{i}{'t' if tree == there else 'h'}"
+        for i in range(a.ab_repeat):  # interleaved, so the machine's load falls on each alike
+            for t, tree in enumerate(trees):
+                run = f"ab{i}t{t}"
                 rates[tree].append(enqueue_from(tree, path, redis_proc.url, work / run, run))
                 shutil.rmtree(work / run)
                 redis.Redis.from_url(redis_proc.url).flushall()
     med = {tree: statistics.median(r) for tree, r in rates.items()}
-    print(f"producer enqueue of the same {a.n:,} short prompts, this tree and {there}, {a.ab_repeat} times each "
-          f"interleaved (no head): median (range)")
-    for tree, label in ((here, "this tree"), (there, there.name)):
-        print(f"  {label:<24} : {med[tree]:>10,.0f} prompts/s   ({min(rates[tree]):,.0f}-{max(rates[tree]):,.0f})")
-    print(f"  ratio                    : {med[here] / med[there]:>10.2f}x   (per pair: "
-          f"{', '.join(f'{x / y:.2f}' for x, y in zip(rates[here], rates[there], strict=True))})")
+    print(f"producer enqueue of the same {a.n:,} short prompts by {len(trees)} checkouts, {a.ab_repeat} times each "
+          f"interleaved (no head): median (range), ratio to the first")
+    for tree in trees:
+        label = "this tree" if tree == here else tree.name
+        pairs = ", ".join(f"{x / y:.2f}" for x, y in zip(rates[here], rates[tree], strict=True))
+        print(f"  {label:<24} : {med[tree]:>10,.0f} prompts/s   ({min(rates[tree]):,.0f}-{max(rates[tree]):,.0f})"
+              + ("" if tree == here else f"   this tree / it: {med[here] / med[tree]:.2f}x (per run: {pairs})"))
     sys.stdout.flush()
 
 
@@ -261,7 +263,8 @@ def main() -> None:
     ap.add_argument("--queues", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", choices=("store", "layout"))
-    ap.add_argument("--against", metavar="DIR", help="also enqueue the same file with the code of this checkout")
+    ap.add_argument("--against", metavar="DIR", action="append", default=[],
+                    help="also enqueue the same file with the code of this checkout (repeatable)")
     ap.add_argument("--ab-repeat", type=int, default=3, help="runs of each tree with --against")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-enqueue-") as tmp:

@@ -8,6 +8,9 @@
                  finalizing -> its files -> completed
     validating   the oldest one: its file into the store (`validate`) -> in_progress, or failed
 
+The thread's store connection never checkpoints inside a commit (`Store.checkpoint_later`): it
+checkpoints once a batch is in_progress or ended, when no client waits on it.
+
 Its files are the export of its span (`producer.export.write_export`), split as OpenAI splits them:
 successes in the output file, every other line in the error file (HTTP errors with the server's body,
 requests with no answer, and those the cancel or the expiry took back: `batch_cancelled`,
@@ -97,6 +100,7 @@ class Engine:
     def open(self) -> None:
         """Open the store, in the thread that runs the passes (the thread does it itself)."""
         self.store = Store.open(self.store_path, run=self.config.run)
+        self.store.checkpoint_later()  # a batch is in_progress once stored; its checkpoint comes after
 
     def _run(self) -> None:
         self.open()
@@ -175,6 +179,7 @@ class Engine:
 
         self.registry.update(b.id, started)
         log.info("batch %s: %d request(s) validated into the store (seqs %d-%d)", b.id, v.prompts, span.lo, span.hi)
+        self.store.checkpoint()
 
     # --- in_progress: live counts, then finalizing ------------------------------------------------------
     def _progress(self, b: BatchRecord) -> None:
@@ -246,6 +251,7 @@ class Engine:
                            failed=counts.get("failed", 0))
 
         self.registry.update(b.id, ended)
+        self.store.checkpoint()
         log.info("batch %s %s: %d succeeded, %d failed%s", b.id, final, counts.get("succeeded", 0),
                  counts.get("failed", 0), taken)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import pytest
@@ -104,3 +105,79 @@ def test_a_subscribed_worker_drops_within_a_second_of_the_announcement(r, redis_
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def _time_out_under(client: aioredis.Redis) -> int:
+    """Leave each connection the pool has lent out (the subscription's) as a partition that outlived TCP's
+    retransmissions leaves it: its transport closed, its reader holding `TimeoutError(110, 'Connection
+    timed out')`. redis-py still calls it connected, and a read with a timeout returns None at once."""
+    n = 0
+    for conn in list(client.connection_pool._in_use_connections):
+        conn._reader.set_exception(TimeoutError(110, "Connection timed out"))
+        conn._writer.transport.abort()
+        n += 1
+    return n
+
+
+def test_the_watch_never_starves_the_worker_when_its_subscription_timed_out_and_it_subscribes_again(
+        r, redis_url) -> None:
+    """The subscription's connection timed out under the watch (as on a host cut off for a minute): the
+    worker's other tasks keep running (a ticker meant to tick every 50 ms does, about that often), the
+    watch subscribes again, and a drop announced after that still reaches it. Before, `get_message`
+    returned None at once for ever and the loop never yielded: the worker stopped reporting."""
+    run_name = f"dropcut{time.monotonic_ns()}"
+    k = Keys(run_name)
+
+    async def go() -> tuple[int, bool]:
+        client = aioredis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        checks = 0
+
+        async def drop(jids: set[str]) -> int:
+            return 0
+
+        async def counted(n: int) -> None:
+            nonlocal checks
+            checks += 1
+
+        watch = DropWatch(client, k, held=lambda: [], drop=drop, on_check=counted)
+        task = asyncio.create_task(watch.run())
+        await asyncio.wait_for(watch.subscribed.wait(), 10)
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.2)
+        assert _time_out_under(client) == 1
+        try:
+            await asyncio.wait_for(asyncio.sleep(4.0), 30)  # returns late if the loop is starved
+        finally:
+            tick.cancel()
+        ticks_in_4s = ticks
+        deadline = time.monotonic() + 15
+        while not watch.subscribed.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        before = checks
+        announce_drop(r, k, ["some-job"])
+        deadline = time.monotonic() + 5
+        while checks == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        reached = checks > before
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+        return ticks_in_4s, reached
+
+    out: list[tuple[int, bool]] = []
+    # in a thread of its own: a starved loop never returns, and the test must fail, not hang
+    runner = threading.Thread(target=lambda: out.append(asyncio.run(go())), daemon=True)
+    runner.start()
+    runner.join(60)
+    assert out, "the watch's event loop never came back: starved by a subscription that answers nothing at once"
+    ticks, reached = out[0]
+    assert ticks >= 40, f"the event loop was starved: {ticks} ticks of ~84 in 4.2 s"
+    assert reached, "a drop announced after the watch subscribed again did not reach it"

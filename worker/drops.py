@@ -30,6 +30,9 @@ __all__ = ["DropWatch"]
 
 log = logging.getLogger("batchfleet.worker")
 
+WAIT_S = 1.0  # each read of the subscription waits at most this long for a message
+QUICK_MAX = 5  # reads in a row that return nothing at once before the subscription is made anew
+
 
 class DropWatch:
     def __init__(self, client: aioredis.Redis, keyspace: Keys, *, held: Callable[[], Collection[str]],
@@ -61,6 +64,7 @@ class DropWatch:
         """Subscribe to `Keys.signals` and check on each message; resubscribe after a lost connection
         (and check once: a message may have come meanwhile)."""
         failures = 0
+        loop = asyncio.get_running_loop()
         while True:
             pubsub = self.r.pubsub(ignore_subscribe_messages=True)
             try:
@@ -69,12 +73,28 @@ class DropWatch:
                 if failures:
                     await self.check()
                 failures = 0
+                quick = 0  # reads in a row that came back at once with nothing
                 while True:
                     # a bounded wait (None when nothing came): a blocking read would hit the client's
                     # socket timeout, an error that costs a resubscription
-                    message = await pubsub.get_message(timeout=1.0)
+                    started = loop.time()
+                    message = await pubsub.get_message(timeout=WAIT_S)
                     if message is not None and message.get("type") == "message":
+                        quick = 0
                         await self.check()
+                    elif loop.time() - started < WAIT_S / 2:
+                        # Nothing, at once: a subscribe confirmation (ignored), or a connection redis-py no
+                        # longer reads: after a partition outlived TCP's retransmissions its reader held
+                        # TimeoutError(110), which a read with a timeout takes for "no message", at once,
+                        # for ever, and a loop that never yielded starved the worker. Never spin: again at
+                        # once, then paced, then a new subscription.
+                        quick += 1
+                        if quick >= QUICK_MAX:
+                            raise redis.ConnectionError("the subscription answers nothing at once, again and again")
+                        if quick > 1:
+                            await asyncio.sleep(0.1)
+                    else:
+                        quick = 0
             except (redis.RedisError, OSError) as exc:
                 self.subscribed.clear()
                 failures += 1

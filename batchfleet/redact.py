@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
-__all__ = ["MASK", "Scrubber", "argv_secrets", "install_log_scrubbing", "is_secret_flag", "private_dir", "private_file",
-           "redact_argv", "redact_url", "url_secrets"]
+__all__ = ["MASK", "Scrubber", "argv_secrets", "install_log_scrubbing", "is_secret_flag", "private_dir",
+           "private_dir_problem", "private_file", "redact_argv", "redact_url", "url_secrets"]
 
 MASK = "***"
 
@@ -199,6 +199,18 @@ def private_dir(path: Path) -> Path:
             continue
         os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask; 0700 is never looser than it
     return path
+
+
+def private_dir_problem(path: Path) -> str | None:
+    """`private_dir(path)`, then a check that this process can write in it: None, or why not in the
+    operating system's words (for a one-line error naming the setting)."""
+    try:
+        private_dir(path)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def private_file(path: Path, mode: str = "ab") -> IO[Any]:

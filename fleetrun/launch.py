@@ -41,7 +41,7 @@ from batchfleet.config import GPU_LOCAL_PART, Config, group_label, model_path_pr
 from batchfleet.connection import redacted
 from batchfleet.keys import Keys
 from batchfleet.records import Event
-from batchfleet.redact import private_dir, private_file
+from batchfleet.redact import private_dir_problem, private_file
 
 from .redisproc import PrivateRedis, answers
 
@@ -225,12 +225,8 @@ def own_dirs(config: Config) -> Config:
     state = config.state_dir.absolute()
     logs = ((config.log_dir or state / "logs") / config.run).absolute()
     for what, path in (("state dir", state), ("log dir", logs)):
-        try:
-            private_dir(path)
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise PermissionError(13, "Permission denied")
-        except OSError as exc:
-            raise UsageError(f"{what} {path} cannot be created or written: {exc.strerror or exc}") from None
+        if problem := private_dir_problem(path):
+            raise UsageError(f"{what} {path} cannot be created or written: {problem}")
     return config.with_(state_dir=state, log_dir=logs)
 
 

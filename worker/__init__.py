@@ -40,7 +40,7 @@ from rq.worker import BaseWorker
 from batchfleet.config import Config, gpu_group_for_queue, model_path_problem, queue_host, redis_url_problem
 from batchfleet.connection import async_client_like, with_timeouts
 from batchfleet.errors import ConfigError
-from batchfleet.redact import Scrubber, install_log_scrubbing, private_dir
+from batchfleet.redact import Scrubber, install_log_scrubbing, private_dir_problem
 from batchfleet.serializer import OrjsonSerializer
 
 from .eventloop import loop_factory
@@ -97,12 +97,8 @@ def _make_dirs(config: Config) -> None:
     not a traceback when the server first starts."""
     for what, path in (("state directory (BATCHFLEET_STATE_DIR)", config.state_dir),
                        ("log directory (BATCHFLEET_LOG_DIR)", config.logs)):
-        try:
-            private_dir(path)
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise PermissionError(13, "Permission denied")
-        except OSError as exc:
-            raise ConfigError(f"the {what} {path} cannot be created or written: {exc.strerror or exc}") from None
+        if problem := private_dir_problem(path):
+            raise ConfigError(f"the {what} {path} cannot be created or written: {problem}")
 
 
 def _check_listed(queue: str, gpus: tuple[int, ...]) -> None:

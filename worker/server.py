@@ -285,8 +285,18 @@ def _process_identity(pid: int) -> dict[str, object] | None:
 
 
 def write_pid_record(path: Path, pid: int) -> None:
-    """The pid and identity of a server, its command line redacted (the file must not hold the API key)."""
-    record = {"pid": pid, **(_process_identity(pid) or {})}
+    """The pid and identity of a server, its command line redacted (the file must not hold the API key).
+    Right after the launch the new process may still be inside exec (its command line reads empty, seen
+    about once in 30 launches): an identity recorded then would never match it again, and the server,
+    left behind by a killed worker, would later be taken for a stranger holding the port. So an empty
+    command line is read again, for up to a second."""
+    identity = _process_identity(pid)
+    for _ in range(50):
+        if identity is None or identity["cmdline"]:
+            break
+        time.sleep(0.02)
+        identity = _process_identity(pid)
+    record = {"pid": pid, **(identity or {})}
     tmp = path.with_suffix(".tmp")
     with private_file(tmp, "wb") as f:
         f.write(orjson.dumps(record))

@@ -438,6 +438,13 @@ class WorkerStatus:
     facts: ServerFacts | None = None  # None until the server has started (or from an older worker)
     message: str = ""
     ts: float = field(default_factory=time.time)
+    # The server's parallel layout, read from the command line the worker starts it with
+    # (`worker.flags.server_shape`): "tp1", "tp4", "tp2dp2+dpattn". "" from an older worker (one GPU).
+    shape: str = ""
+    start_s: float | None = None  # its server's last start, launch to healthy (None: not started yet)
+    drain_s: float | None = None  # its last drain for a restart, drain + stop (None: none yet)
+    gpu_name: str = ""  # the GPU model as nvidia-smi names it ("" when none answers)
+    gpu_memory_mib: int | None = None  # its memory, MiB
 
     def __post_init__(self) -> None:
         _members(self)

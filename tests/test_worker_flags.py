@@ -134,3 +134,31 @@ def test_a_users_tensor_parallel_size_that_disagrees_with_the_group_is_one_line(
     with pytest.raises(ConfigError) as exc:
         build_argv(cfg(server_args=args), cli_0523, port=30000, gpus=gpus)
     assert words in str(exc.value) and "\n" not in str(exc.value)
+@pytest.mark.parametrize(("argv", "shape"), [
+    ([], "tp1"),
+    (["--model-path", "/m", "--port", "30000"], "tp1"),
+    (["--tp-size", "4"], "tp4"),
+    (["--tp", "4"], "tp4"),
+    (["--tensor-parallel-size=8"], "tp8"),
+    (["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"], "tp2dp2+dpattn"),
+    (["--tp-size", "4", "--data-parallel-size", "2"], "tp4dp2"),
+    (["--tp-size", "4", "--pp-size", "2"], "tp4pp2"),
+    (["--tp-size", "2", "--tp-size", "4"], "tp4"),  # argparse keeps the last occurrence
+    (["--enable-dp-attention-local-control-broadcast", "--tp-size", "2"], "tp2"),  # another flag
+    (["--tp-size", "x"], "tp1"),  # not a size: the server would refuse it; counted as 1
+    (["--tp-size"], "tp1"),
+])
+def test_server_shape_from_the_servers_own_argv(argv, shape):
+    from worker.flags import server_shape
+
+    assert server_shape(argv) == shape
+
+
+def test_server_shape_of_a_built_command_line(cli_0523):
+    """The shape is read from the final command line the keeper starts (extra args included)."""
+    from worker.flags import server_shape
+
+    c = Config(model_path="/models/m", sglang_cmd="python -m sglang.launch_server",
+               server_args="--tp-size 2 --dp-size 2 --enable-dp-attention")
+    assert server_shape(build_argv(c, cli_0523, port=30000)) == "tp2dp2+dpattn"
+    assert server_shape(build_argv(cfg(), cli_0523, port=30000)) == "tp1"

@@ -17,7 +17,7 @@ from batchfleet.config import Config
 from batchfleet.errors import ConfigError, ServerStartError
 from batchfleet.records import Strategy
 
-__all__ = ["ServerCLI", "build_argv", "parallel_flags", "read_server_cli", "tp_size_for"]
+__all__ = ["ServerCLI", "build_argv", "parallel_flags", "read_server_cli", "server_shape", "tp_size_for"]
 
 NEW_STRATEGY_FLAG = "--mamba-radix-cache-strategy"  # 0.5.22+
 OLD_STRATEGY_FLAG = "--mamba-scheduler-strategy"  # before 0.5.22
@@ -177,3 +177,37 @@ def build_argv(config: Config, cli: ServerCLI, *, port: int, strategy: Strategy 
     # Generated flags come last so that a restart's strategy/memory overrides win over the same
     # flag in BATCHFLEET_SERVER_ARGS (argparse keeps the last occurrence).
     return [*shlex.split(config.sglang_cmd), *extra, *want]
+
+
+# The parallel layout's flags, every spelling SGLang 0.5.23's argparse accepts (its aliases, and the
+# short prefixes the brief's users type; argparse takes an unambiguous prefix of a long option).
+_SIZE_FLAGS = {
+    "tp": ("--tp-size", "--tensor-parallel-size", "--tp"),
+    "dp": ("--dp-size", "--data-parallel-size", "--dp"),
+    "pp": ("--pp-size", "--pipeline-parallel-size", "--pp"),
+}
+_DP_ATTENTION = "--enable-dp-attention"
+
+
+def server_shape(argv: list[str]) -> str:
+    """The server's shape, read from the command line the worker starts it with: tensor-, data- and
+    pipeline-parallel sizes (1 when not given; argparse keeps the last occurrence) and whether
+    attention runs data-parallel. Compact, for status records and the supervisor's peer groups:
+    "tp1", "tp4", "tp2dp2+dpattn", "tp4pp2". A value that is not a positive integer counts as 1
+    (the server itself would refuse it)."""
+    sizes = {"tp": 1, "dp": 1, "pp": 1}
+    dp_attention = False
+    spelled = {flag: name for name, flags in _SIZE_FLAGS.items() for flag in flags}
+    for i, token in enumerate(argv):
+        flag, eq, inline = token.partition("=")
+        if flag == _DP_ATTENTION and not eq:
+            dp_attention = True
+            continue
+        name = spelled.get(flag)
+        if name is None:
+            continue
+        value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        sizes[name] = int(value) if value.isdigit() and int(value) > 0 else 1
+    shape = f"tp{sizes['tp']}" + (f"dp{sizes['dp']}" if sizes["dp"] > 1 else "") + \
+        (f"pp{sizes['pp']}" if sizes["pp"] > 1 else "")
+    return shape + ("+dpattn" if dp_attention else "")

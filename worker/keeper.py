@@ -91,6 +91,8 @@ class ServerKeeper:
         self.retry_token = retry_token or _no_token
         self._death: ServerDied | None = None
         self._restarting: dict | None = None  # set between a spec-driven stop and the next start
+        self.start_s: float | None = None  # the last start, launch to healthy (published: the restart cost)
+        self.drain_s: float | None = None  # the last drain for a new spec, drain + stop (published)
         self._phases: dict[ServerPhase, Callable[[], Awaitable[ServerPhase]]] = {
             ServerPhase.START: self._start, ServerPhase.SERVE: self._serve, ServerPhase.DIED: self._died,
             ServerPhase.RESPEC: self._respec, ServerPhase.BACKOFF: self._backoff,
@@ -134,6 +136,7 @@ class ServerKeeper:
     async def _start(self) -> ServerPhase:
         self.state = WorkerState.STARTING
         spec = await self.spec.desired()
+        launched = time.monotonic()
         try:
             capacity = await self.server.start(spec)
         except ServerStartError as exc:
@@ -156,6 +159,7 @@ class ServerKeeper:
         self._failures = 0
         self._serving_since = time.monotonic()
         self.dispatcher.breaker.reset()
+        self.start_s = round(time.monotonic() - launched, 2)
         await self._open_http(capacity)
         await self.dispatcher.set_capacity(capacity, max_in_flight=self.config.max_in_flight)
         self.dispatcher.resume()
@@ -293,6 +297,7 @@ class ServerKeeper:
         await self.publish()
         handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
         await self.server.stop()
+        self.drain_s = round(time.monotonic() - since, 2)
         gpu_note = await wait_gpu_free(self.server.gpus)
         self._restarting = {"since": since, "handed_back": handed, "previous": old.describe(),
                             "previous_generation": old.generation, "gpu": gpu_note}

@@ -40,6 +40,7 @@ from .clock import Clock
 from .dispatcher import REQUEST_ID, Dispatcher
 from .drops import DropWatch
 from .events import EventLog
+from .flags import server_shape
 from .keeper import ServerKeeper
 from .leases import LeaseKeeper
 from .ledger import Ledger
@@ -47,7 +48,7 @@ from .meter import ThroughputMeter
 from .redislink import LINK
 from .server import SGLangServer
 from .spec import SpecFollower
-from .status import HOST, StatusPublisher, StatusReporter
+from .status import HOST, StatusPublisher, StatusReporter, gpu_model
 from .steal import StealOrder
 
 __all__ = ["EXIT_SHUTDOWN_COMMAND", "GPUService"]
@@ -85,7 +86,7 @@ class GPUService:
         self.publisher = StatusPublisher(client, self.k, snapshot=self.snapshot)
         self.reporter = StatusReporter(self.publisher, self.meter, interval_s=config.status_interval_s,
                                        http=lambda: self.keeper.http, server_running=lambda: self.server.running,
-                                       rq_heartbeat=rq_heartbeat)
+                                       rq_heartbeat=rq_heartbeat, gpu=gpu)
         self.keeper = ServerKeeper(config, self.server, self.dispatcher, self.spec, self.events, gpu=gpu,
                                    publish=self.reporter.publish_now, retry_token=self._retry_token)
         self._marker = MarkerWatch(self.k, log)  # says so when Redis loses the run's data
@@ -233,4 +234,6 @@ class GPUService:
             slots=self.dispatcher.slots.capacity, surplus=self.dispatcher.surplus, facts=self.server.facts,
             in_flight=self.dispatcher.in_flight, done=self.dispatcher.done, failed=self.dispatcher.failed,
             tokens_per_s=round(self.meter.tokens_per_s(), 1), metrics=self.reporter.metrics,
-            message=self.scrub(self.keeper.message), ts=self.clock())
+            message=self.scrub(self.keeper.message), ts=self.clock(),
+            shape=server_shape(self.server.flags or self.config.server_argv_extra), start_s=self.keeper.start_s,
+            drain_s=self.keeper.drain_s, **gpu_model(self.gpu))

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -20,7 +22,7 @@ from batchfleet.records import ServerMetrics, WorkerStatus
 from .meter import ThroughputMeter
 from .redislink import LINK
 
-__all__ = ["StatusPublisher", "StatusReporter"]
+__all__ = ["StatusPublisher", "StatusReporter", "gpu_model", "probe_gpu_model"]
 
 log = logging.getLogger("batchfleet.worker.status")
 
@@ -52,8 +54,9 @@ class StatusReporter:
 
     def __init__(self, publisher: StatusPublisher, meter: ThroughputMeter, *, interval_s: float,
                  http: Callable[[], sglang.SGLangClient | None], server_running: Callable[[], bool],
-                 rq_heartbeat: Callable[[], object]) -> None:
+                 rq_heartbeat: Callable[[], object], gpu: int | None = None) -> None:
         self.publisher = publisher
+        self.gpu = gpu
         self.meter = meter
         self.interval_s = interval_s
         self.http = http
@@ -69,6 +72,8 @@ class StatusReporter:
             LINK.lost("publishing the status record", exc)
 
     async def run(self) -> None:
+        if self.gpu is not None:
+            await asyncio.to_thread(probe_gpu_model, self.gpu)  # once: the fleet's memory is keyed by it
         while True:
             try:
                 client = self.http()
@@ -97,3 +102,34 @@ async def scrape_metrics(client: sglang.SGLangClient) -> ServerMetrics:
 
 
 HOST = socket.gethostname()
+_GPU_QUERY = ["--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
+_gpu_models: dict[int, tuple[str, int]] = {}
+
+
+def probe_gpu_model(index: int) -> tuple[str, int] | None:
+    """(name, total MiB) of one GPU as nvidia-smi names it (the driver's tool, or the simulator's
+    stand-in), asked once and kept; None when none answers."""
+    if index in _gpu_models:
+        return _gpu_models[index]
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, *_GPU_QUERY], capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 3 and fields[0] == str(index):
+            try:
+                _gpu_models[index] = (fields[1], int(float(fields[2])))
+            except ValueError:
+                return None
+            return _gpu_models[index]
+    return None
+
+
+def gpu_model(index: int | None) -> dict[str, object]:
+    """The status record's GPU fields (`gpu_name`, `gpu_memory_mib`) from what was probed, if anything."""
+    found = _gpu_models.get(index) if index is not None else None
+    return {"gpu_name": found[0], "gpu_memory_mib": found[1]} if found else {}

@@ -63,7 +63,10 @@ class Settings:
     windows: int = 3  # consecutive mamba-bound windows (most serving servers) when only gauges say so
     static_windows: int = 1  # ... when the servers' start-up facts say their mamba pool caps them
     dry_run: bool = False
-    restart_cost_s: float = 300.0  # one server's restart cost until the canary measured one
+    # One server's restart cost, an override (`--restart-cost`) until the canary measured one; None:
+    # the median of what the workers of the canary's shape measured (start + drain), else ASSUMED_COST_S.
+    restart_cost_s: float | None = None
+    fresh_start: bool = False  # ignore the fleet's memory (`--fresh-start`)
     worth_factor: float = 2.0  # the time saved must exceed the restart cost this many times
     margin: float = 0.2  # the canary must beat its peers' tokens/s by this share (first try)
     margin_step: float = 0.1  # each rollback of a rung that did not gain raises its bar by this
@@ -71,6 +74,9 @@ class Settings:
     rollout_batch: int = 2  # servers restarting at once during the rollout
     phase_timeout_s: float = 900.0  # canary to serve and measure, rollout progress, verification
     retry_after_s: float = 600.0  # back-off before a rolled-back rung is tried again (doubles per failure)
+
+
+ASSUMED_COST_S = 300.0  # a real 27B load, when no worker published how long its server takes
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +152,8 @@ class State:
     notes: dict[str, str] = field(default_factory=dict)  # last diagnosis per topic: say things once
     classes: dict[str, str] = field(default_factory=dict)  # last window's class per worker (for watch)
     control: dict[str, str] = field(default_factory=dict)  # control fields we last wrote (restored after data loss)
+    shape: str = ""  # the canary's shape: the change is measured, rolled out and verified among that shape
+    recalled: bool = False  # the fleet's memory was consulted for this run (see `recall`)
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -196,10 +204,28 @@ class Autopilot:
         self._phases.get(st.phase, self._observing)(report, control, now)
         return self._out
 
-    def restart_cost_s(self) -> float:
-        """One server's restart cost: learned (median) once measured, else the configured prior."""
+    def restart_cost_s(self, report: WindowReport | None = None, shape: str = "") -> float:
+        return self.restart_cost(report, shape)[0]
+
+    def restart_cost(self, report: WindowReport | None = None, shape: str = "") -> tuple[float, str]:
+        """(one server's restart cost, where it comes from). In order: what the canary's restart measured
+        (median, once there is one); `--restart-cost`; the median of what the workers of `shape` measured
+        (their servers' last start, launch to healthy, plus their last drain); ASSUMED_COST_S."""
         st = self.state
-        return statistics.median(st.restart_costs) if st.restart_costs else self.s.restart_cost_s
+        if st.restart_costs:
+            return statistics.median(st.restart_costs), "measured by the canary"
+        if self.s.restart_cost_s is not None:
+            return self.s.restart_cost_s, "--restart-cost"
+        peers = [v for v in (report.servers if report is not None else []) if not shape or v.shape == shape]
+        starts = [v.start_s for v in peers if v.start_s is not None]
+        if not starts:
+            return ASSUMED_COST_S, "assumed"
+        drains = [v.drain_s for v in peers if v.drain_s is not None]
+        start, drain = statistics.median(starts), statistics.median(drains) if drains else 0.0
+        of = f"{len(starts)} {shape + ' ' if shape else ''}server(s)"
+        how = (f"measured: start {start:.1f} s" + (f" + drain {drain:.1f} s" if drains else ", no drain measured yet")
+               + f", median of {of}")
+        return start + drain, how
 
     # --- helpers -------------------------------------------------------------------------------
     def _emit(self, kind: EventKind, message: str, **data: Any) -> None:
@@ -266,6 +292,17 @@ class Autopilot:
         st = self.state
         st.phase, st.stall, st.canary, st.rolled = Phase.OBSERVING, 0, "", []
         st.measured, st.served_since, st.confounded, st.canary_restart = [], 0.0, "", {}
+        st.shape = ""
+
+    def _mine(self, v: ServerView) -> bool:
+        """Of the shape the change in progress is about (any, for a state of an older supervisor)."""
+        return not self.state.shape or v.shape == self.state.shape
+
+    def _mixed(self, report: WindowReport) -> bool:
+        return any(not self._mine(v) for v in report.servers if v.cls != SILENT)
+
+    def _of_shape(self, report: WindowReport) -> str:
+        return f" of shape {self.state.shape}" if self._mixed(report) else ""
 
     def _timed_out(self, since: float, now: float) -> bool:
         return now - since > self.s.phase_timeout_s
@@ -304,8 +341,7 @@ class Autopilot:
                        "stalled, but the work left cannot be estimated yet (no tokens generated yet)")
             return
         saved = eta * (1 - 1 / prop.ratio) if prop.ratio > 1 else 0.0
-        cost = self.restart_cost_s()
-        learned = "measured" if st.restart_costs else "assumed"
+        cost, learned = self.restart_cost(report, canary.shape)
         worth = (f"~{saved:,.0f} s saved of {eta:,.0f} s left vs restart cost {cost:,.1f} s ({learned}) "
                  f"x{self.s.worth_factor:g}")
         if saved <= cost * self.s.worth_factor and report.eta_lower:
@@ -330,10 +366,13 @@ class Autopilot:
         target = replace(prop.target, generation=control.next_generation())
         st.baseline, st.target, st.predicted, st.bar = asdict(control.current), asdict(target), prop.ratio, bar
         st.canary, st.canary_label = canary.queue, canary.label
-        st.baseline_capacity = statistics.fmean(v.effective_max for v in report.serving)
+        st.shape = canary.shape
+        same = [v for v in report.serving if v.shape == canary.shape]  # peers of its shape only
+        st.baseline_capacity = statistics.fmean(v.effective_max for v in same)
         n = min(st.stall, len(st.fleet_tps))
         st.before_tps = statistics.fmean(st.fleet_tps[-n:])
-        st.before_server_tps = statistics.fmean(st.server_tps[-n:])
+        st.before_server_tps = statistics.fmean(st.server_tps[-n:]) if len(same) == len(report.serving) else \
+            statistics.fmean(v.tokens_per_s for v in same)
         st.decide_s, st.phase, st.phase_since, st.progress_since = decide_s, Phase.CANARY, now, now
         st.measured, st.served_since, st.confounded, st.canary_restart, st.rolled = [], 0.0, "", {}, []
         st.notes.pop("fleet", None)
@@ -343,7 +382,8 @@ class Autopilot:
                    f"{target.generation}), predicted capacity x{prop.ratio:.2f}{retry}", seen=seen, why=why,
                    done=f"override {canary.label} (queue {canary.queue})", windows=st.stall, decide_s=decide_s,
                    evidence=evidence, before_tokens_per_s=round(st.before_tps, 1), target=st.target,
-                   predicted_ratio=round(prop.ratio, 3), restart_cost_s=round(cost, 1), bar=bar)
+                   predicted_ratio=round(prop.ratio, 3), restart_cost_s=round(cost, 1), restart_cost=learned,
+                   bar=bar, shape=canary.shape)
         self._out.append(SetOverride(canary.queue, target))
 
     def _canary(self, report: WindowReport, control: Control, now: float) -> None:
@@ -382,7 +422,7 @@ class Autopilot:
         data = {"canary": st.canary, "canary_tokens_per_s": round(mine, 1), "peers_tokens_per_s": round(theirs, 1),
                 "capacity_before": st.baseline_capacity, "capacity_after": v.effective_max,
                 "predicted_ratio": round(st.predicted, 3), "measured_ratio": round(ratio, 3) if ratio else None,
-                "measured_s": round(dur, 1), "bar": st.bar, "restart_cost_s": round(self.restart_cost_s(), 1)}
+                "measured_s": round(dur, 1), "bar": st.bar, "restart_cost_s": round(self.restart_cost_s(report, st.shape), 1)}
         gained = ratio is not None and v.effective_max > st.baseline_capacity and ratio >= 1 + st.bar
         versus = (f"{v.effective_max} slots (was {st.baseline_capacity:.0f}), {mine:,.0f} vs peers' {theirs:,.0f} "
                   f"tok/s over {dur:.0f} s of steady windows (x{ratio or 0:.2f}")
@@ -390,7 +430,7 @@ class Autopilot:
             self._rollback(control, now, f"the canary did not gain: {versus}, needs x{1 + st.bar:.2f})", failed=True,
                            **data)
             return
-        if theirs > 0 and any(p.queue != st.canary for p in report.serving):
+        if theirs > 0 and any(p.queue != st.canary and self._mine(p) for p in report.serving):
             # The verdict's "before" is the peers' steady rate on the old spec, measured beside the canary: the
             # stalled windows may hold the fleet's ramp-up (a decision on start-up facts comes after one window;
             # on a loaded machine that window once read half the rate, and the rollout "gained" x3.79).
@@ -411,7 +451,8 @@ class Autopilot:
         if restart and "filled" not in restart:
             restart["filled"] = since
             st.restart_costs = [*st.restart_costs, round(restart["downtime_s"] + max(0.0, since - restart["ts"]), 2)]
-        peers = [p for p in report.serving if p.queue != st.canary and p.generation != target.generation]
+        peers = [p for p in report.serving if p.queue != st.canary and p.generation != target.generation
+                 and self._mine(p)]
         steady = [(p, p.steady_since(p.generation)) for p in peers]
         steady = [(p, s) for p, s in steady if s is not None]
         if peers and not steady:
@@ -441,7 +482,7 @@ class Autopilot:
             self._rollback(control, now, "; ".join(f"{v.label} failed on {target.describe()}: {'; '.join(v.reasons)}"
                                                    for v in broken), failed=True)
             return
-        present = [v for v in sorted(report.servers, key=_order) if v.cls != SILENT]
+        present = [v for v in sorted(report.servers, key=_order) if v.cls != SILENT and self._mine(v)]
         moved = {v.queue for v in present if v.serving and v.generation == target.generation}
         # A queue whose worker is gone does not block the rollout: its override waits for it.
         pending = [v.queue for v in present if v.queue in st.rolled and v.queue not in moved]
@@ -455,23 +496,29 @@ class Autopilot:
         todo = [v for v in todo if v.queue not in st.rolled]
         pending = [v.queue for v in present if v.queue in st.rolled and v.queue not in moved]
         if not pending and not todo:
-            self._to_verifying(target, now, f"all {len(moved)} serving GPUs serve {target.describe()}")
+            self._to_verifying(target, now, f"all {len(moved)} serving GPUs{self._of_shape(report)} serve "
+                               f"{target.describe()}", mixed=self._mixed(report))
         elif self._timed_out(st.progress_since, now):
             late = ", ".join(v.label for v in present if v.queue in pending)
             self._to_verifying(target, now, f"carrying on after {self.s.phase_timeout_s:g} s without progress "
-                               f"({late or 'nobody'} not serving it yet: the fleet spec will move them)")
+                               f"({late or 'nobody'} not serving it yet: the fleet spec will move them)",
+                               mixed=self._mixed(report))
 
-    def _to_verifying(self, target: ServerSpec, now: float, why: str) -> None:
+    def _to_verifying(self, target: ServerSpec, now: float, why: str, *, mixed: bool = False) -> None:
         st = self.state
-        self._out.append(SetFleet(target))
-        self._emit(EventKind.ROLLED_OUT, f"{why}; it is now the fleet's spec (generation {target.generation})",
-                   target=st.target, rolled=st.rolled)
+        if mixed:  # servers of other shapes keep theirs: the change stays as per-queue overrides
+            self._emit(EventKind.ROLLED_OUT, f"{why}; servers of other shapes keep their spec (generation "
+                       f"{target.generation} is per queue)", target=st.target, rolled=st.rolled, shape=st.shape)
+        else:
+            self._out.append(SetFleet(target))
+            self._emit(EventKind.ROLLED_OUT, f"{why}; it is now the fleet's spec (generation {target.generation})",
+                       target=st.target, rolled=st.rolled, shape=st.shape)
         st.phase, st.phase_since, st.measured, st.confounded = Phase.VERIFYING, now, [], ""
 
     def _verifying(self, report: WindowReport, control: Control, now: float) -> None:
         st = self.state
         target = ServerSpec(**st.target or {})
-        serving = report.serving
+        serving = [v for v in report.serving if self._mine(v)]
         steady = [v.steady_since(target.generation) for v in serving]
         if serving and report.backlog > 0 and None not in steady:
             t0, t1 = max([report.start, *(s for s in steady if s is not None)]), report.end

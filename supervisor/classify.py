@@ -43,7 +43,7 @@ from batchfleet.records import CapCause, ServerFacts, Strategy, WorkerState, Wor
 
 from .fleet import FleetSnapshot
 
-__all__ = ["CLASSES", "Cls", "Point", "ServerView", "Thresholds", "WindowReport", "classify_window"]
+__all__ = ["CLASSES", "Cls", "Point", "ServerView", "Thresholds", "WindowReport", "classify_window", "flag_value"]
 
 
 class Cls(StrEnum):
@@ -138,6 +138,14 @@ class ServerView:
     facts: ServerFacts | None = None
     points: tuple[Point, ...] = ()
     outliers: list[str] = field(default_factory=list)
+    # The server's parallel layout ("tp1", "tp4", "tp2dp2+dpattn"; an older worker's "" reads "tp1"):
+    # servers are compared only with peers of the same shape.
+    shape: str = "tp1"
+    start_s: float | None = None  # its worker's measure of its last start, launch to healthy
+    drain_s: float | None = None  # ... of its last drain for a restart
+    model: str = ""  # --model-path of its command line
+    gpu_name: str = ""
+    gpu_memory_mib: int | None = None
 
     @property
     def serving(self) -> bool:
@@ -197,6 +205,16 @@ class WindowReport:
 
     def by_queue(self, queue: str) -> ServerView | None:
         return next((s for s in self.servers if s.queue == queue), None)
+
+
+def flag_value(flags: Sequence[str], *names: str) -> str | None:
+    """The value of the last of `names` in a server's command line (`--flag V` or `--flag=V`)."""
+    value = None
+    for i, token in enumerate(flags):
+        flag, eq, inline = token.partition("=")
+        if flag in names:
+            value = inline if eq else (flags[i + 1] if i + 1 < len(flags) else None)
+    return value
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -323,8 +341,10 @@ def _flag(views: list[ServerView], th: Thresholds) -> tuple[dict[str, list[str]]
     # would drag the peers' median with it (with three GPUs, every one would read as an outlier).
     steady = [v for v in views if v.cls in STEADY and v.effective_max > 0 and v.points
               and all(p.serving and p.generation == v.generation for p in v.points)]
-    for gen in sorted({v.generation for v in steady}):
-        group = [v for v in steady if v.generation == gen]
+    # Peers: same generation AND same shape (a TP4 server runs another model size at another speed
+    # than a TP1 one: it is not an outlier among them).
+    for gen, shape in sorted({(v.generation, v.shape) for v in steady}):
+        group = [v for v in steady if v.generation == gen and v.shape == shape]
         for name, value in (("capacity", lambda v: float(v.effective_max)), ("tokens/s", lambda v: v.tokens_per_s)):
             slow_hosts: set[str] = set()
             names = {v.host for v in group}
@@ -392,7 +412,9 @@ def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = 
             tokens_per_s=rate if rate is not None else statistics.fmean(s.tokens_per_s for s in serving),
             retracted=(retracted[-1] - retracted[0]) if retracted else 0.0,
             evidence=evidence if cls == MAMBA_BOUND else "", filling=evidence == "filling", facts=w.facts,
-            points=tuple(points)))
+            points=tuple(points), shape=w.shape or "tp1", start_s=w.start_s, drain_s=w.drain_s,
+            model=flag_value(w.server_flags, "--model-path", "--model") or "", gpu_name=w.gpu_name,
+            gpu_memory_mib=w.gpu_memory_mib))
     gpu_flags, host_flags = _flag(views, th)
     views = [replace(v, outliers=gpu_flags.get(v.worker, [])) for v in views]
     eta = last.eta()

@@ -67,8 +67,11 @@ def _autopilot_args(p: argparse.ArgumentParser) -> None:
                    help="... when the servers' start-up facts say their mamba pool caps them")
     p.add_argument("--sample", type=positive(), default=1.0, metavar="S",
                    help="sampling period within a window, seconds")
-    p.add_argument("--restart-cost", type=at_least(0), default=300.0, metavar="S",
-                   help="one server restart's cost in seconds until the canary has measured one (load + warm-up)")
+    p.add_argument("--restart-cost", type=at_least(0), default=None, metavar="S",
+                   help="one server restart's cost in seconds until the canary has measured one; without it, what "
+                        "the workers measured (their servers' start + drain, median per shape), else 300")
+    p.add_argument("--fresh-start", action="store_true",
+                   help="ignore the fleet's memory: do not start on the spec an earlier run verified as best")
     p.add_argument("--margin", type=at_least(0), default=0.2, metavar="F",
                    help="the canary must beat its peers' tokens/s by this share")
     p.add_argument("--verify-windows", type=positive(int), default=2, metavar="N",
@@ -227,7 +230,7 @@ def _autopilot(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys
     settings = Settings(windows=args.windows, static_windows=args.static_windows, dry_run=args.dry_run,
                         restart_cost_s=args.restart_cost, margin=args.margin, verify_windows=args.verify_windows,
                         rollout_batch=args.rollout_batch, phase_timeout_s=args.phase_timeout,
-                        retry_after_s=args.retry_after)
+                        retry_after_s=args.retry_after, fresh_start=args.fresh_start)
     metrics = FleetMetrics()
     if args.metrics_port:
         try:

@@ -311,7 +311,7 @@ def test_not_worth_it_when_little_work_is_left():
     pilot = Autopilot(Settings(windows=2, restart_cost_s=10_000), LadderConfig())
     acts = drive(pilot, [stalled(i) for i in range(4)])
     assert not [a for a in acts if not isinstance(a, Emit)]
-    assert any("not worth a restart" in e.message and "(assumed)" in e.message for e in emitted(acts, "decision"))
+    assert any("not worth a restart" in e.message and "(--restart-cost)" in e.message for e in emitted(acts, "decision"))
 
 
 def test_a_lower_bound_eta_never_says_not_worth_it():
@@ -587,3 +587,88 @@ def test_a_canary_whose_worker_went_silent_is_waited_for_not_judged():
     snaps = [[replace(s, silent=frozenset({"w0"})) for s in w] for w in snaps]
     acts = drive(pilot, [restarting(1), *snaps], control(seen_generation=1))
     assert not emitted(acts, "rollback") and not emitted(acts, "canary") and pilot.state.phase == "canary"
+
+
+# --- issue 22: restart cost from what the workers measured; servers of several shapes -------------------
+def test_before_any_canary_the_restart_cost_is_the_median_the_workers_measured_not_300():
+    """§2: servers that start in ~2 s: the supervisor prices a restart at what its workers measured
+    (start + drain, median over the canary's shape), names that figure, and switches; without the
+    workers' figures it assumes 300 s and would not move on the same window."""
+    def fleet(k: int, **kw) -> list[FleetSnapshot]:
+        # 2,000 prompts left at 4 x 560 tok/s: ~270 s left; x1.95 saves ~130 s: worth 2 x 2.5 s, not 2 x 300 s
+        return window(lambda t: [replace(ws(g, t=t, facts=SEED), **kw) for g in range(4)], k, backlog=2000)
+
+    assumed = Autopilot(Settings(windows=1), LadderConfig())
+    acts = drive(assumed, [fleet(0)])
+    assert not [a for a in acts if isinstance(a, SetOverride)]
+    assert "vs restart cost 300.0 s (assumed)" in emitted(acts, "decision")[0].message
+
+    measured = Autopilot(Settings(windows=1), LadderConfig())
+    acts = drive(measured, [fleet(0, start_s=2.1, shape="tp1")])
+    assert [a.queue for a in acts if isinstance(a, SetOverride)] == ["gpu0"]
+    (decision,) = emitted(acts, "decision")
+    assert "restart cost 2.1 s (measured: start 2.1 s, no drain measured yet, median of 4 tp1 server(s))" \
+        in " ".join(decision.data["why"])
+    assert decision.data["restart_cost_s"] == pytest.approx(2.1)
+
+    with_drain = Autopilot(Settings(windows=1), LadderConfig())
+    rep = classify_window(fleet(0, start_s=2.0, drain_s=0.5))
+    assert with_drain.restart_cost(rep, "tp1") == (pytest.approx(2.5), "measured: start 2.0 s + drain 0.5 s, "
+                                                                          "median of 4 tp1 server(s)")
+    # --restart-cost stays an override
+    override = Autopilot(Settings(windows=1, restart_cost_s=10_000), LadderConfig())
+    acts = drive(override, [fleet(0, start_s=2.0)])
+    assert not [a for a in acts if isinstance(a, SetOverride)]
+    assert "(--restart-cost)" in emitted(acts, "decision")[0].message
+
+
+TP4 = ServerFacts(effective_max_running=64, cap_cause="kv", max_total_num_tokens=128, context_len=131072)
+
+
+def mixed(t: float, *, tp1=None, tp4_tps: float = 2400.0, tp1_kw=None) -> list[WorkerStatus]:
+    """One TP4 server (a dense 70B on gpu4-7, KV-capped at 64, queue gpu4) and four TP1 servers
+    (gpu0-3, mamba-capped at 37): one fleet, two shapes."""
+    tp1_kw = tp1_kw or {}
+    out = [replace(ws(g, t=t, **{"facts": SEED, **tp1_kw.get(g, {})}), shape="tp1", start_s=2.0) for g in range(4)]
+    out.append(replace(ws(4, t=t, cap=64, in_flight=64, tps=tp4_tps, kv=0.3, mamba=0.0, facts=TP4),
+                       shape="tp4", start_s=60.0))
+    return out
+
+
+def test_a_server_is_compared_only_with_peers_of_its_shape():
+    """§1: the TP4 server's capacity (64) and tokens/s (2,400) are far from the TP1 servers' (37, 560),
+    and that is no fault of it: it is not an outlier. A slow TP1 server still is, among its shape."""
+    slow = {3: {"tps": 300.0}}
+    rep = classify_window(window(lambda t: mixed(t, tp1_kw=slow)))
+    assert {v.worker: v.shape for v in rep.servers} == {"w0": "tp1", "w1": "tp1", "w2": "tp1", "w3": "tp1",
+                                                        "w4": "tp4"}
+    outliers = {v.worker: v.outliers for v in rep.servers if v.outliers}
+    assert set(outliers) == {"w3"} and "tokens/s 300 vs peers' median 560" in outliers["w3"][0]
+
+
+def test_a_fleet_of_two_shapes_moves_only_the_stalled_shape_measured_against_its_own_peers():
+    """§1: one TP4 server beside four mamba-bound TP1 servers. The canary is a TP1 server; the
+    prediction and the baseline capacity are the TP1 servers' own; the restart cost is the TP1
+    workers' (not the 60 s TP4 start); the canary is judged against TP1 peers only; the rollout
+    moves the TP1 queues only, and the TP4 server keeps its spec (no fleet-wide spec)."""
+    pilot = Autopilot(Settings(windows=1, verify_windows=2, rollout_batch=2), LadderConfig(forbid=frozenset({"no_radix"})))
+    (decision,) = emitted(drive(pilot, [window(lambda t: mixed(t), 0)]), "decision")
+    assert pilot.state.canary == "gpu0" and pilot.state.shape == "tp1"
+    assert decision.data["predicted_ratio"] == pytest.approx(72 / 37, rel=1e-3)
+    assert pilot.state.baseline_capacity == 37
+    assert decision.data["restart_cost_s"] == pytest.approx(2.0) and "of 4 tp1 server(s)" in decision.data["restart_cost"]
+    ctl = control(seen_generation=1)
+    new = dict(generation=1, strategy="no_buffer", cap=72, in_flight=72, tps=1065.0, facts=NB)
+    canary = {0: new}
+    acts = drive(pilot, [window(lambda t: mixed(t, tp1_kw=canary), k) for k in (1, 2)], ctl)
+    (verdict,) = emitted(acts, "canary")
+    assert verdict.data["peers_tokens_per_s"] == pytest.approx(560, rel=0.01)  # the TP1 peers, not the TP4's 2,400
+    assert [a.queue for a in acts if isinstance(a, SetOverride)] == ["gpu1", "gpu2"]
+    moved = {g: new for g in range(4)}
+    acts = drive(pilot, [window(lambda t: mixed(t, tp1_kw=moved), k) for k in (3, 4, 5, 6)], ctl)
+    overrides = [a.queue for a in acts if isinstance(a, SetOverride)]
+    assert overrides == ["gpu3"] and not [a for a in acts if isinstance(a, SetFleet)]
+    (rolled,) = emitted(acts, "rolled_out")
+    assert "of shape tp1" in rolled.message and "other shapes keep their spec" in rolled.message
+    (verified,) = emitted(acts, "verified")
+    assert verified.data["ratio"] == pytest.approx(1065 / 560, rel=0.01) and verified.data["slots"] == [72]

@@ -422,7 +422,8 @@ class Autopilot:
         data = {"canary": st.canary, "canary_tokens_per_s": round(mine, 1), "peers_tokens_per_s": round(theirs, 1),
                 "capacity_before": st.baseline_capacity, "capacity_after": v.effective_max,
                 "predicted_ratio": round(st.predicted, 3), "measured_ratio": round(ratio, 3) if ratio else None,
-                "measured_s": round(dur, 1), "bar": st.bar, "restart_cost_s": round(self.restart_cost_s(report, st.shape), 1)}
+                "measured_s": round(dur, 1), "bar": st.bar,
+                "restart_cost_s": round(self.restart_cost_s(report, st.shape), 1)}
         gained = ratio is not None and v.effective_max > st.baseline_capacity and ratio >= 1 + st.bar
         versus = (f"{v.effective_max} slots (was {st.baseline_capacity:.0f}), {mine:,.0f} vs peers' {theirs:,.0f} "
                   f"tok/s over {dur:.0f} s of steady windows (x{ratio or 0:.2f}")

@@ -311,7 +311,8 @@ def test_not_worth_it_when_little_work_is_left():
     pilot = Autopilot(Settings(windows=2, restart_cost_s=10_000), LadderConfig())
     acts = drive(pilot, [stalled(i) for i in range(4)])
     assert not [a for a in acts if not isinstance(a, Emit)]
-    assert any("not worth a restart" in e.message and "(--restart-cost)" in e.message for e in emitted(acts, "decision"))
+    assert any("not worth a restart" in e.message and "(--restart-cost)" in e.message
+               for e in emitted(acts, "decision"))
 
 
 def test_a_lower_bound_eta_never_says_not_worth_it():
@@ -651,12 +652,14 @@ def test_a_fleet_of_two_shapes_moves_only_the_stalled_shape_measured_against_its
     prediction and the baseline capacity are the TP1 servers' own; the restart cost is the TP1
     workers' (not the 60 s TP4 start); the canary is judged against TP1 peers only; the rollout
     moves the TP1 queues only, and the TP4 server keeps its spec (no fleet-wide spec)."""
-    pilot = Autopilot(Settings(windows=1, verify_windows=2, rollout_batch=2), LadderConfig(forbid=frozenset({"no_radix"})))
+    pilot = Autopilot(Settings(windows=1, verify_windows=2, rollout_batch=2),
+                      LadderConfig(forbid=frozenset({"no_radix"})))
     (decision,) = emitted(drive(pilot, [window(lambda t: mixed(t), 0)]), "decision")
     assert pilot.state.canary == "gpu0" and pilot.state.shape == "tp1"
     assert decision.data["predicted_ratio"] == pytest.approx(72 / 37, rel=1e-3)
     assert pilot.state.baseline_capacity == 37
-    assert decision.data["restart_cost_s"] == pytest.approx(2.0) and "of 4 tp1 server(s)" in decision.data["restart_cost"]
+    assert decision.data["restart_cost_s"] == pytest.approx(2.0)
+    assert "of 4 tp1 server(s)" in decision.data["restart_cost"]
     ctl = control(seen_generation=1)
     new = dict(generation=1, strategy="no_buffer", cap=72, in_flight=72, tps=1065.0, facts=NB)
     canary = {0: new}

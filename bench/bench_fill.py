@@ -1,8 +1,10 @@
 """Slot fill (issue 11 §4): how busy the servers' slots are while work remains, read from the
 simulator's own record (`slot_fill`: occupied slot-seconds in model time, per rank).
 
-fill = occupied slot-seconds / (capacity x model seconds), from the moment a server first ran its
-capacity until its last admission of a prompt (after that no work remained for it).
+fill = occupied slot-seconds / (capacity x model seconds), until its last admission of a prompt (after
+that no work remained for it), from two starts: the moment a server first ran its capacity ("from
+full", the figure of issue 11), and its first request ("from the first request", ramp included:
+issue 22 §3, where the worker's first claim fills the capacity plus its initial surplus).
 
 Each workload runs twice, interleaved, on fresh fleets of real `rq worker` processes with simulated
 GPUs (tiny-hybrid: 12 slots each), same prompts: the baseline keeps exactly the capacity in flight
@@ -41,11 +43,12 @@ def write(path: Path, n: int, choices: tuple[int, ...], seed: int = 11) -> None:
                                   "ignore_eos": True, "max_tokens": rng.choice(choices)}) + b"\n")
 
 
-def fill_of(rec: dict) -> tuple[float, float]:
-    """(fill, seconds measured) of one server, summed over its ranks."""
+def fill_of(rec: dict, start: str = "full_at") -> tuple[float, float]:
+    """(fill, seconds measured) of one server, summed over its ranks, from `start` ("full_at": the
+    moment it first ran its capacity; "first_admit": its first request) to its last admission."""
     slot_s = cap_s = span = 0.0
     for rank in rec.get("slot_fill") or []:
-        full, last = rank["full_at"], rank["last_admit"]
+        full, last = rank.get(start), rank["last_admit"]
         if not full or not last or last[0] <= full[0]:
             continue
         slot_s += last[1] - full[1]
@@ -78,7 +81,9 @@ def run_once(tmp: Path, redis_url: str, name: str, *, gpus: int, surplus: str, t
     finally:
         fleet.kill_all()
     fills = [fill_of(fleet.sim_record(g)) for g in range(gpus)]
+    firsts = [fill_of(fleet.sim_record(g), "first_admit") for g in range(gpus)]
     return {"fill": [f for f, _ in fills], "span": [s for _, s in fills], "wall": wall, "surplus": surpluses,
+            "first": [f for f, _ in firsts],
             "succeeded": fleet.stats().get("succeeded", 0), "n": n}
 
 
@@ -103,12 +108,15 @@ def main() -> None:
             print(f"{name}: max_tokens {'/'.join(map(str, choices))}, {per_gpu * args.gpus} prompts")
             for label, runs in rows.items():
                 fills = [f for run in runs for f in run["fill"]]
+                firsts = [f for run in runs for f in run["first"]]
                 spans = [s for run in runs for s in run["span"]]
                 surpluses = sorted({s for run in runs for s in run["surplus"]})
                 ok = all(run["succeeded"] == run["n"] for run in runs)
                 walls = " ".join(f"{run['wall']:.1f}" for run in runs)
-                print(f"  {label:<24}: fill min {min(fills):.4f}, mean {sum(fills) / len(fills):.4f} over "
-                      f"{len(fills)} servers ({min(spans):.1f}-{max(spans):.1f} s each); wall "
+                print(f"  {label:<24}: from the first request: fill min {min(firsts):.4f}, mean "
+                      f"{sum(firsts) / len(firsts):.4f}; from full: min {min(fills):.4f}, mean "
+                      f"{sum(fills) / len(fills):.4f}; {len(fills)} servers ({min(spans):.1f}-{max(spans):.1f} s "
+                      "each); wall "
                       f"{walls} s; surplus at the end {surpluses}"
                       f"{'' if ok else '  NOT ALL SUCCEEDED'}")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")

@@ -118,6 +118,7 @@ class Rank:
         self.slot_s = 0.0
         self.full_at: tuple[float, float] | None = None
         self.last_admit: tuple[float, float] | None = None
+        self.first_admit: tuple[float, float] | None = None  # ... just before its first client request's prefill
         self.longest_s = 0.0  # the longest admission-to-finish of a client request, in model time
 
     # ---- usage figures -------------------------------------------------------------------
@@ -201,6 +202,8 @@ class Rank:
             if batch:
                 new_tokens = sum(r.prompt_tokens + r.generated - r.cached_tokens for r in batch)
                 self.t = max(self.t, min(r.arrival_model for r in batch))
+                if self.first_admit is None and any(not r.internal for r in batch):
+                    self.first_admit = (self.t, self.slot_s)
                 prefill = cfg.prefill_s(new_tokens)
                 self.slot_s += prefill * (len(self.running) + len(batch))  # the batch holds its slots already
                 self.t += prefill

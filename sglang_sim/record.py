@@ -73,6 +73,7 @@ class Recorder:
             # per rank, in model time: occupied slot-seconds, and [model s, slot-seconds] when it first ran
             # its capacity and at its latest admission of a client request (slot fill while work remained)
             "slot_fill": [{"cap": r.cap, "t": r.t, "slot_s": r.slot_s, "full_at": r.full_at, "last_admit": r.last_admit,
+                           "first_admit": r.first_admit,
                            "longest_s": r.longest_s} for r in e.ranks] if e else [],
             "first_admit_wall": e.first_admit_wall if e else None,
             "last_finish_wall": e.last_finish_wall if e else None,

@@ -21,14 +21,16 @@ from .test_worker_dispatch import enqueue, results
 
 def test_turnover_sizes_the_surplus_from_bursts_of_finishes_within_a_round_trip() -> None:
     t = Turnover()
-    assert t.surplus(0.0, 8) == 1  # nothing seen yet: one
+    assert t.surplus(0.0, 8) == 8  # nothing measured yet: the initial surplus is the bound (issue 22 §3)
     t.refilled(0.005)  # round trip = 2 x 5 ms
-    for step in range(20):  # a decode step every 30 ms ends 5 requests at once
+    for step in range(400):  # a decode step every 30 ms ends 5 requests at once, from t=1 to t=13
         for _ in range(5):
             t.finished(1.0 + step * 0.03)
-    assert t.surplus(1.6, 8) == 6
-    assert t.surplus(1.6, 4) == 4  # never past the cap
-    assert t.surplus(30.0, 8) == 1  # forgotten after the horizon
+        if step == 20:
+            assert t.surplus(1.6, 8) == 8  # less than a horizon measured: still the initial surplus
+    assert t.surplus(13.0, 8) == 6
+    assert t.surplus(13.0, 4) == 4  # never past the cap
+    assert t.surplus(40.0, 8) == 1  # forgotten after the horizon
 
 
 def test_the_claim_loop_gathers_until_half_the_surplus_is_used_or_the_time_is_up() -> None:
@@ -162,4 +164,27 @@ def test_no_surplus_under_a_configured_cap_or_when_switched_off(r, redis_url) ->
         await client.aclose()
         return out
 
-    assert asyncio.run(go()) == [(12, 1, 13), (12, 0, 12), (5, 0, 5)]
+    assert asyncio.run(go()) == [(12, 12, 24), (12, 0, 12), (5, 0, 5)]  # the initial surplus: the bound
+
+
+def test_the_first_claim_fills_the_capacity_plus_the_initial_surplus(fleets, tmp_path) -> None:
+    """Issue 22 §3, on real parts (an `rq worker`, a simulated server of 12 slots, Redis): the worker's
+    first claim takes capacity + surplus at once, so the server runs its 12 from its first step with 12
+    more waiting in its queue, before anything finished (256-token generations at time scale 1: ~5 s
+    each). Before, the first claim took capacity + 1 and the surplus grew one or two at a time."""
+    from .fleet import write_prompts
+
+    fleet = fleets(gpus=1, env={"SGLANG_SIM_TIME_SCALE": "1"})
+    write_prompts(tmp_path / "p.jsonl", 60, max_tokens=256)
+    fleet.producer("enqueue", "p.jsonl", "--queues", fleet.queues)
+    fleet.start_worker(0)
+    fleet.wait_for(lambda: any(s.in_flight for s in fleet.statuses()), 60, "the worker's first claim")
+    (status,) = fleet.statuses()
+    assert (status.effective_max, status.surplus, status.slots) == (12, 12, 24)
+    assert status.in_flight == 24 and fleet.r.zcard(fleet.k.leases) == 24  # what the first claim took
+    fleet.wait_for(lambda: fleet.record_path(0).exists() and fleet.sim_record(0)["requests_total"] >= 24, 30,
+                   "the simulator's record of 24 requests")
+    rec = fleet.sim_record(0)
+    assert fleet.finished() == 0 and rec["requests_total"] == 24  # nothing finished yet, nothing claimed since
+    assert rec["peak_running"] == 12 and rec["peak_queued"] == 12
+    fleet.stop_all()

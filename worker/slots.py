@@ -146,7 +146,13 @@ class Turnover:
     server). Requests already waiting inside the server fill those slots at its next step instead, as
     long as no more of them finish within one such round trip than are waiting. Finishes come in
     bursts (one decode step ends several requests), so the surplus is the most finishes seen within
-    one round trip over the last `horizon_s`, plus one. O(1) per finish."""
+    one round trip over the last `horizon_s`, plus one. O(1) per finish.
+
+    Until it has measured for a whole horizon (from its first finish), it knows nothing, and the
+    first batch of a run tends to finish together (prompts admitted together, alike): the surplus is
+    then its bound, so the first claim fills the capacity plus that surplus at once (instead of some
+    hundred claims of 1-3 prompts while a measured surplus grows from nothing, with slots left empty
+    by each burst of finishes it had not yet seen)."""
 
     BUCKET_S = 0.5
 
@@ -156,6 +162,7 @@ class Turnover:
         self.refill_s = 0.0  # EWMA of the claim loop's refill delay
         self._window: deque[float] = deque()  # finishes within one round trip of the latest
         self._buckets: deque[list[float]] = deque()  # [bucket start, most finishes within one round trip]
+        self._first: float | None = None  # the first finish seen: it measures from then on
 
     @property
     def window_s(self) -> float:
@@ -166,6 +173,8 @@ class Turnover:
         self.refill_s = seconds if self.refill_s == 0.0 else 0.8 * self.refill_s + 0.2 * seconds
 
     def finished(self, now: float) -> None:
+        if self._first is None:
+            self._first = now
         win = self._window
         win.append(now)
         edge = now - self.window_s
@@ -180,9 +189,12 @@ class Turnover:
             buckets[-1][1] = len(win)
 
     def surplus(self, now: float, cap: int) -> int:
-        """The most finishes within one round trip over the horizon, + 1; within [min(1, cap), cap]."""
+        """The most finishes within one round trip over the horizon, + 1; within [min(1, cap), cap].
+        `cap` itself until a whole horizon has been measured (the initial surplus)."""
         if cap <= 0:
             return 0
+        if self._first is None or now - self._first < self.horizon_s:
+            return cap
         buckets = self._buckets
         while buckets and now - buckets[0][0] > self.horizon_s:
             buckets.popleft()

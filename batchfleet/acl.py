@@ -13,7 +13,8 @@ own user, `REDIS_URL=redis://worker:PASSWORD@redis.internal:6379/0`:
   control spec (so it cannot change what the fleet runs) and the run marker. Subscribe to
   `rq:pubsub:*` (RQ's commands), publish nothing.
 - supervisor (`supervisor watch/run/restart/report`): write the control spec, history, autopilot
-  state, events, and drop expired names from the workers set; read everything else of the run.
+  state, events, the fleet's memory (`bf:memory`, across runs), and drop expired names from the
+  workers set; read everything else of the run.
 - viewer (`supervisor status`, `watch --view-only`, `producer status`): read everything, write
   nothing (no write command at all). Not `rq info`: it cleans RQ's registries as it counts (a write).
 - admin (the operator: `rq info`, `rq requeue`, `rq suspend`, repairs): everything.
@@ -103,7 +104,8 @@ def roles(run: str = "*") -> dict[str, Role]:
             read=(k.control, k.retry, k.meta, k.drop, rqlayout.QUEUES, rqlayout.SUSPENDED),
             channels=(rqlayout.PUBSUB_PREFIX + "*", k.signals),
             commands=(*_DATA, "+subscribe", "+unsubscribe")),
-        "supervisor": Role("supervisor", write=(k.control, k.retry, k.history, k.autopilot, k.events, k.workers),
+        "supervisor": Role("supervisor", write=(k.control, k.retry, k.history, k.autopilot, k.events, k.workers,
+                                                Keys.MEMORY),
                            read=everything_of_run, channels=(), commands=_DATA),
         "viewer": Role("viewer", write=(), read=("*",), channels=(), commands=_READ_ONLY),
         "admin": Role("admin", write=("*",), read=(), channels=("*",), commands=("+@all",)),

@@ -36,6 +36,7 @@ under `bf:<run>:`.
 | bf:<run>:launcher | string | batchfleet run/serve | lease of the live launcher (command, host, pid; LAUNCHER_TTL_S) |
 | bf:<run>:drop | set | producer | job ids of prompts cancelled while fed (DROP_TTL_S, renewed on each add) (***) |
 | bf:<run>:signals | channel | producer | PUBLISH `{"drop": n}` after adding n job ids to `drop` (***) |
+| bf:memory | hash | supervisor | across runs: model, GPU, version, shape -> the best spec verified (****) |
 
 Counters in `bf:<run>:stats` (`<name>:<queue>` counts per origin queue where noted):
 `enqueued`(:q), `succeeded`(:q), `failed`(:q; includes quarantined prompts), `completion_tokens`,
@@ -64,6 +65,9 @@ holds, on each message and at its lease beat in case it missed one): it cancels 
 server aborts it), releases the lease and publishes nothing. The producer has already removed those
 jobs and their leases, so a result that would still come is refused as stale. Job ids are never
 reused for another request of a cancelled prompt, so the set only grows until its TTL.
+(****) Not a run's key: it outlives runs (no TTL, not in `run_keys`, never purged with a run), so the
+next run of the same model on the same kind of GPU, SGLang version and server shape starts where the
+last one ended (`supervisor/memory.py`). Redis is where every host's supervisor meets.
 """
 
 from __future__ import annotations
@@ -120,6 +124,8 @@ class Keys:
     """The key layout of one run."""
 
     run: str = "default"
+
+    MEMORY = "bf:memory"  # across runs (see the table): not under the run's prefix
 
     # --- RQ's layout -------------------------------------------------------------------------
     @staticmethod

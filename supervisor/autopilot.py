@@ -45,8 +45,10 @@ from batchfleet.records import Event, EventKind, RecordError, ServerSpec, decode
 
 from .classify import CLIENT_BOUND, DOWN, HUNG, KV_BOUND, MAMBA_BOUND, SILENT, ServerView, WindowReport
 from .ladder import LadderConfig, next_rung, spec_key
+from .memory import Remembered, describe_field, memory_field, remembered_data
 
-__all__ = ["Autopilot", "Control", "DropFields", "Emit", "Phase", "SetFleet", "SetOverride", "Settings", "State"]
+__all__ = ["Autopilot", "Control", "DropFields", "Emit", "Phase", "Remember", "SetFleet", "SetOverride", "Settings",
+           "State"]
 
 PROBLEMS = (CLIENT_BOUND, HUNG, DOWN, KV_BOUND, SILENT)  # worth a diagnosis line when a server enters one
 
@@ -118,7 +120,12 @@ class Emit:
     event: Event
 
 
-Action = SetOverride | SetFleet | DropFields | Emit
+@dataclass(frozen=True, slots=True)
+class Remember:
+    entries: dict[str, Remembered]  # the fleet's memory (`Keys.MEMORY`): memory_field -> the verified spec
+
+
+Action = SetOverride | SetFleet | DropFields | Emit | Remember
 
 
 @dataclass
@@ -226,6 +233,49 @@ class Autopilot:
         how = (f"measured: start {start:.1f} s" + (f" + drain {drain:.1f} s" if drains else ", no drain measured yet")
                + f", median of {of}")
         return start + drain, how
+
+    def recall(self, report: WindowReport, control: Control, memory: dict[str, Remembered]) -> list[Action]:
+        """Once per run, as soon as servers serve and say what they are: start them on the spec an
+        earlier run verified as best for their kind (model, GPU, SGLang version, shape), if any. Not a
+        canary (it was verified); the autopilot goes on watching and may move again."""
+        self._out = []
+        st = self.state
+        if st.recalled:
+            return []
+        if self.s.fresh_start or control.fleet is not None or control.overrides:
+            st.recalled = True  # asked to start fresh, or this run's control already says what to run
+            if self.s.fresh_start:
+                self._emit(EventKind.DECISION, "fresh start: the fleet's memory of earlier runs is not used")
+            return self._out
+        serving = [v for v in report.servers if v.serving]
+        if not serving or any(v.facts is None for v in serving):
+            return []  # wait until the serving servers have said what they are
+        st.recalled = True
+        fields = {v.queue: memory_field(v) for v in serving}
+        found = {q: memory[f] for q, f in fields.items() if f is not None and f in memory}
+        moved = {q: e for q, e in found.items() if spec_key(e.spec) != spec_key(control.current)}
+        if not moved:
+            if found:
+                self._emit(EventKind.DECISION, f"the fleet's memory: already on {control.current.describe()}")
+            return self._out
+        gen = control.next_generation()
+        specs = {spec_key(e.spec) for e in moved.values()}
+        entry = next(iter(moved.values()))
+        kinds = sorted({describe_field(fields[q] or "") for q in moved})
+        where = "; ".join(kinds)
+        if len(moved) == len(serving) and len(specs) == 1:
+            spec = replace(entry.spec, generation=gen)
+            self._out.append(SetFleet(spec))
+            what = f"the fleet -> {spec.describe()} (generation {gen})"
+        else:
+            for q, e in sorted(moved.items()):
+                self._out.append(SetOverride(q, replace(e.spec, generation=gen)))
+            what = ", ".join(f"{q} -> {e.spec.describe()}" for q, e in sorted(moved.items())) + f" (generation {gen})"
+        ratio = f", verified x{entry.ratio:.2f} per server" if entry.ratio else ""
+        self._emit(EventKind.DECISION, f"the fleet's memory: run {entry.run or '?'} verified {entry.spec.describe()} "
+                   f"as best{ratio} for {where}; starting on it: {what} (--fresh-start ignores this)",
+                   remembered={q: remembered_data(e) for q, e in moved.items()}, recalled=True, generation=gen)
+        return self._out
 
     # --- helpers -------------------------------------------------------------------------------
     def _emit(self, kind: EventKind, message: str, **data: Any) -> None:
@@ -546,6 +596,12 @@ class Autopilot:
         after = sum(m[0] * m[1] for m in st.measured) / dur
         after_server = sum(m[0] * m[2] for m in st.measured) / dur
         ratio = after_server / st.before_server_tps if st.before_server_tps else None
+        if ratio is not None and ratio > 1:
+            # The fleet's memory: the next run of the same kind of server starts here.
+            entry = Remembered(spec=replace(target, generation=0), ratio=round(ratio, 3), slots=slots)
+            keys = {f for f in (memory_field(v) for v in serving if v.generation == target.generation) if f}
+            if keys:
+                self._out.append(Remember({f: entry for f in sorted(keys)}))
         self._emit(EventKind.VERIFIED, f"fleet {st.before_tps:,.0f} -> {after:,.0f} tok/s"
                    + (f" (x{ratio:.2f} per server)" if ratio else "")
                    + f" over {dur:.0f} s of steady windows, slots per GPU {slots} (predicted "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import orjson
 import redis
@@ -21,10 +22,11 @@ from batchfleet.config import DEFAULT_QUEUE_PATTERN
 from batchfleet.keys import Keys
 from batchfleet.records import Event, EventKind, RecordError, ServerSpec
 
-from .autopilot import Action, Autopilot, Control, DropFields, Emit, SetFleet, SetOverride, Settings, State
+from .autopilot import Action, Autopilot, Control, DropFields, Emit, Remember, SetFleet, SetOverride, Settings, State
 from .classify import Thresholds, WindowReport, classify_window
 from .fleet import FleetSnapshot, read_events, read_fleet, skip_record
 from .ladder import LadderConfig, current_spec
+from .memory import parse_memory
 from .prom import FleetMetrics
 
 __all__ = ["RedisWatch", "apply", "log_event", "manual_restart", "read_control", "run_autopilot"]
@@ -77,6 +79,8 @@ def apply(r: redis.Redis, k: Keys, actions: Sequence[Action], *, say: Callable[[
             r.hdel(k.control, *a.fields)
             for f in a.fields:
                 written.pop(f, None)
+        elif isinstance(a, Remember):
+            r.hset(Keys.MEMORY, mapping={f: replace(e, run=k.run).to_json() for f, e in a.entries.items()})
     for a in actions:
         if isinstance(a, Emit):
             log_event(r, k, a.event)
@@ -164,6 +168,12 @@ def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: Ladder
             if watch.ok():
                 _restore(r, k, pilot.state, say)
             window.append(snap)
+            if not pilot.state.recalled and snap.workers:  # the fleet's memory, as soon as servers say what they are
+                actions = pilot.recall(classify_window([snap], thresholds), read_control(r, k, snap),
+                                       parse_memory(r.hgetall(Keys.MEMORY)))
+                if actions or pilot.state.recalled:
+                    apply(r, k, actions, say=say, state=pilot.state)
+                    r.set(k.autopilot, pilot.state.to_json())
             r.xadd(k.history, {"s": history_sample(snap, pilot.state.classes)}, maxlen=keys.HISTORY_MAXLEN,
                    approximate=True)
             if time.monotonic() - started >= window_s and snap.workers:

@@ -675,3 +675,76 @@ def test_a_fleet_of_two_shapes_moves_only_the_stalled_shape_measured_against_its
     assert "of shape tp1" in rolled.message and "other shapes keep their spec" in rolled.message
     (verified,) = emitted(acts, "verified")
     assert verified.data["ratio"] == pytest.approx(1065 / 560, rel=0.01) and verified.data["slots"] == [72]
+
+
+# --- issue 22 §4: the fleet's memory ---------------------------------------------------------------------
+def kind(w: WorkerStatus, *, version: str = "0.5.23", gpu: str = "NVIDIA RTX PRO 6000", mib: int = 97887,
+         shape: str = "tp1") -> WorkerStatus:
+    facts = replace(w.facts or SEED, version=version)
+    return replace(w, facts=facts, gpu_name=gpu, gpu_memory_mib=mib, shape=shape,
+                   server_flags=["--model-path", "Qwen/Qwen3.6-27B", *w.server_flags])
+
+
+def test_a_verified_move_is_remembered_by_model_gpu_version_and_shape():
+    from supervisor.autopilot import Remember
+
+    pilot = seed_pilot()
+    ctl = control(seen_generation=1)
+    drive(pilot, [restarting(1), *canary_windows([2, 3])], ctl)
+    new = dict(generation=1, strategy="no_buffer", cap=72, in_flight=72, tps=1065.0, facts=NB)
+    acts = drive(pilot, [window(lambda t: [kind(ws(g, t=t, **new)) for g in range(4)], k) for k in (4, 5, 6, 7)],
+                 ctl)
+    (verified,) = emitted(acts, "verified")
+    (remember,) = [a for a in acts if isinstance(a, Remember)]
+    (key,) = remember.entries
+    assert key == '["Qwen/Qwen3.6-27B","NVIDIA RTX PRO 6000",97887,"0.5.23","tp1"]'
+    entry = remember.entries[key]
+    assert entry.spec == replace(NO_BUFFER, generation=0) and entry.slots == [72]
+    assert entry.ratio == pytest.approx(verified.data["ratio"])
+
+
+def memory(**kw) -> dict:
+    from supervisor.memory import Remembered
+
+    key = '["Qwen/Qwen3.6-27B","NVIDIA RTX PRO 6000",97887,"0.5.23","tp1"]'
+    return {key: Remembered(spec=NO_BUFFER, run="yesterday", ratio=1.9, slots=[72], **kw)}
+
+
+def test_a_second_run_of_the_same_kind_starts_on_the_remembered_spec_and_keeps_watching():
+    pilot = Autopilot(Settings(windows=1, restart_cost_s=1), LadderConfig(forbid=frozenset({"no_radix"})))
+    starting = classify_window([snap([kind(ws(g, state="starting", facts=None)) for g in range(4)])])
+    assert pilot.recall(starting, control(), memory()) == [] and not pilot.state.recalled  # wait: nothing serves
+    rep = classify_window([snap([kind(ws(g, facts=SEED)) for g in range(4)])])
+    acts = pilot.recall(rep, control(), memory())
+    (fleet,) = [a for a in acts if isinstance(a, SetFleet)]
+    assert fleet.spec == replace(NO_BUFFER, generation=1)
+    (decision,) = emitted(acts, "decision")
+    assert "the fleet's memory: run yesterday verified no_buffer, mem 0.9, max 128 as best, verified x1.90" in \
+        decision.message and "Qwen/Qwen3.6-27B on NVIDIA RTX PRO 6000 (96 GiB), SGLang 0.5.23, tp1" in decision.message
+    assert pilot.state.recalled and pilot.recall(rep, control(), memory()) == []  # once per run
+    # ... and the autopilot still watches: a stall on the remembered spec is diagnosed as ever.
+    on_it = dict(generation=1, strategy="no_buffer", cap=72, in_flight=72, facts=NB)
+    acts = drive(pilot, [window(lambda t: [kind(ws(g, t=t, **on_it)) for g in range(4)], 1)],
+                 control(fleet=replace(NO_BUFFER, generation=1), current=replace(NO_BUFFER, generation=1)))
+    assert "no change to try" in emitted(acts, "decision")[0].message
+
+
+@pytest.mark.parametrize("other", [{"version": "0.5.22"}, {"gpu": "NVIDIA H100 80GB HBM3"}, {"mib": 81559},
+                                   {"shape": "tp2"}])
+def test_another_kind_of_server_does_not_use_the_memory(other):
+    pilot = Autopilot(Settings(windows=1), LadderConfig())
+    rep = classify_window([snap([kind(ws(g, facts=SEED), **other) for g in range(4)])])
+    assert pilot.recall(rep, control(), memory()) == [] and pilot.state.recalled
+
+
+def test_fresh_start_ignores_the_memory_and_a_mixed_fleet_recalls_per_queue():
+    rep = classify_window([snap([kind(ws(g, facts=SEED)) for g in range(4)])])
+    fresh = Autopilot(Settings(windows=1, fresh_start=True), LadderConfig())
+    acts = fresh.recall(rep, control(), memory())
+    assert not [a for a in acts if not isinstance(a, Emit)] and "fresh start" in emitted(acts, "decision")[0].message
+    tp4 = kind(ws(4, cap=64, facts=TP4), shape="tp4")
+    mixed_rep = classify_window([snap([kind(ws(g, facts=SEED)) for g in range(4)] + [tp4])])
+    acts = Autopilot(Settings(windows=1), LadderConfig()).recall(mixed_rep, control(), memory())
+    assert [(a.queue, a.spec.strategy) for a in acts if isinstance(a, SetOverride)] == \
+        [(f"gpu{g}", "no_buffer") for g in range(4)]  # the TP4 server's kind has no memory: it keeps its spec
+    assert not [a for a in acts if isinstance(a, SetFleet)]

@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rejected input lines go here (default: <state dir>/<run>.rejects.jsonl)")
     r.add_argument("--model", metavar="NAME", help="body.model when a line has none (default: BATCHFLEET_MODEL_PATH)")
     r.add_argument("--no-supervisor", action="store_true", help="do not start `supervisor watch`")
+    r.add_argument("--fresh-start", action="store_true",
+                   help="the supervisor ignores the fleet's memory (`supervisor watch --fresh-start`): no start on "
+                        "the spec an earlier run verified as best")
     r.add_argument("--progress-every", type=positive(), default=5.0, metavar="S",
                    help="seconds between progress lines when the output is not a terminal")
     r.add_argument("--timeout", type=positive(), metavar="S", help="give up (drain, exit 2) after S seconds")
@@ -349,7 +352,8 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
     procs = Procs(logs)
     events = Events(r, keys)
     screen.rate = Throughput(gather_progress(r, keys, store)["completion_tokens"])
-    started = start_fleet(procs, config, args.groups, supervisor=not args.no_supervisor, dry_run=args.dry_run)
+    started = start_fleet(procs, config, args.groups, supervisor=not args.no_supervisor, dry_run=args.dry_run,
+                          fresh_start=args.fresh_start)
     screen.say(f"{started}; logs in {logs}")
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     said_down: set[tuple[str, str]] = set()

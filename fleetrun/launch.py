@@ -196,7 +196,7 @@ def queues_of(run: str, groups: list[tuple[int, ...]]) -> tuple[str, ...]:
 
 
 def start_fleet(procs: Procs, config: Config, groups: list[tuple[int, ...]], *, supervisor: bool = True,
-                dry_run: bool = False, head_interval_s: float = 1.0) -> str:
+                dry_run: bool = False, head_interval_s: float = 1.0, fresh_start: bool = False) -> str:
     """Start a worker per GPU group, the head and (with `supervisor`) the autopilot, as the config's run.
     Returns what was started, in words."""
     env = child_env(config, config.redis_url, config.run)
@@ -206,7 +206,8 @@ def start_fleet(procs: Procs, config: Config, groups: list[tuple[int, ...]], *, 
     start_head(procs, config, interval_s=head_interval_s)
     if supervisor:
         procs.others["supervisor"] = procs.start(
-            "supervisor", [exe("supervisor"), "watch", *(["--dry-run"] if dry_run else [])], env)
+            "supervisor", [exe("supervisor"), "watch", *(["--dry-run"] if dry_run else []),
+                           *(["--fresh-start"] if fresh_start else [])], env)
     workers = f"{len(groups)} worker(s) ({config.run}.{group_label(groups[0])} ...), " if groups else ""
     return (f"started {workers}the head" + (", the supervisor" + (" (advising only)" if dry_run else "")
                                              if supervisor else ""))

@@ -170,3 +170,28 @@ def test_a_second_batchfleet_run_of_the_same_run_says_who_is_active_and_starts_n
     third = start(tmp_path, fast, procs, "--gpus", "0", "--no-supervisor")
     assert third.wait(240) == 0, output(tmp_path, 2)
     check_export(tmp_path, rows)
+
+
+def test_batchfleet_run_fresh_start_reaches_the_supervisor_it_starts(tmp_path: Path) -> None:
+    """Issue 22 §4: `batchfleet run --fresh-start` starts `supervisor watch --fresh-start` (which ignores
+    the fleet's memory); without it the supervisor starts on what earlier runs verified."""
+    from batchfleet.config import Config
+    from fleetrun.cli import build_parser
+    from fleetrun.launch import start_fleet
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.workers: dict[int, object] = {}
+            self.others: dict[str, object] = {}
+            self.argv: dict[str, list[str]] = {}
+
+        def start(self, name: str, argv: list[str], env: dict[str, str]) -> str:
+            self.argv[name] = argv
+            return name
+
+    args = build_parser().parse_args(["run", "p.jsonl", "-o", "out.jsonl", "--fresh-start"])
+    config = Config(run="fresh", state_dir=tmp_path)
+    for fresh in (args.fresh_start, False):
+        rec = Recorder()
+        start_fleet(rec, config, [(0,)], fresh_start=fresh)  # type: ignore[arg-type]
+        assert rec.argv["supervisor"][1:] == ["watch", *(["--fresh-start"] if fresh else [])]

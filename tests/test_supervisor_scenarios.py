@@ -308,3 +308,56 @@ def test_a_worker_follows_a_new_spec_at_once_even_while_its_health_probe_waits(t
     assert "health check failed" not in log, log  # it waited for its probe to time out
     assert full.slots == 37 + full.surplus and full.surplus >= 1
     assert finished == 0 and restarted.data["handed_back"] == full.slots and restarted.data["capacity"] == 72
+
+
+def test_the_measured_restart_cost_decides_and_the_next_run_starts_on_what_this_one_verified(tmp_path, redis_url):
+    """Issue 22 §2 and §4 on real parts. Run 1: servers that start in ~1 s, `supervisor watch` with its
+    defaults (no --restart-cost): its decision prices a restart at what the workers measured (named in
+    its reason), where the 300 s it assumed before would have refused (the time saved is less than
+    2 x 300 s), and it switches; the verified spec goes into the fleet's memory. Run 2, same Redis,
+    same model, GPUs, SGLang version and shape: it starts on that spec without a canary. Both runs:
+    every prompt exactly once."""
+    import re
+
+    args = ("--window", "2", "--windows", "3", "--sample", "0.5", "--verify-windows", "2", "--rollout-batch", "1",
+            "--keep-prefix-cache")
+    env = {**seed_env(5), "BATCHFLEET_SHUTDOWN_GRACE_S": "1"}
+    n = 1000
+    runs = {}
+    for run in ("mem1", "mem2"):
+        tmp = tmp_path / run
+        tmp.mkdir()
+        fleet = Fleet(tmp, redis_url, run=run, gpus=2, env=env)
+        write_seed_prompts(tmp / "prompts.jsonl", n, min_tokens=500, max_tokens=900)
+        fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+        for g in range(2):
+            fleet.start_worker(g)
+        sup = SupervisorProc(fleet, *args)
+        try:
+            if run == "mem1":
+                decision = sup.wait_event("decision", 120, match="canary")
+                sup.wait_event("verified", 300)
+            else:
+                decision = sup.wait_event("decision", 120, match="the fleet's memory")
+            fleet.wait_for(lambda: fleet.finished() >= n, 600, f"all {n} prompts")  # noqa: B023
+            statuses = fleet.statuses()
+        finally:
+            sup.stop()
+            fleet.stop_all()
+        runs[run] = {"decision": decision, "events": sup.events(), "statuses": statuses, "log": sup.output(),
+                     "exactly_once": exactly_once(fleet, n), "memory": dict(fleet.r.hgetall(Keys.MEMORY))}
+
+    first, second = runs["mem1"], runs["mem2"]
+    why = " ".join(first["decision"].data["why"])
+    assert first["decision"].data["restart_cost"].startswith("measured: start"), first["log"]
+    assert first["decision"].data["restart_cost_s"] < 10
+    saved = float(re.search(r"~([\d,.]+) s saved", why).group(1).replace(",", ""))
+    assert saved <= 2 * 300, why  # the assumed 300 s would have said "not worth a restart"
+    assert {s.effective_max for s in first["statuses"]} == {72} and first["exactly_once"] == (0, 0)
+    (key,) = first["memory"]
+    assert orjson.loads(key) == ["Qwen/Qwen3.6-27B", "NVIDIA RTX PRO 6000 Blackwell (simulated)", 97887,
+                                 first["statuses"][0].facts.version, "tp1"]
+    assert "run mem1 verified no_buffer, mem 0.9, max 128 as best" in second["decision"].message, second["log"]
+    assert not [e for e in second["events"] if e.kind in ("canary", "rollback")], second["log"]
+    assert {(s.strategy, s.effective_max) for s in second["statuses"]} == {("no_buffer", 72)}
+    assert second["exactly_once"] == (0, 0)

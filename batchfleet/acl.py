@@ -10,7 +10,7 @@ own user, `REDIS_URL=redis://worker:PASSWORD@redis.internal:6379/0`:
   done set (every producer command may feed, collect and repair); read the rest of `rq:` and `bf:`.
 - worker (`rq worker <host>.gpuN`): write RQ's queues, jobs, registries and its own RQ worker keys;
   leases, strikes, suspects, isolate, done, results, stats, status records, events. Read only the
-  control spec (so it cannot change what the fleet runs) and the run marker. Subscribe to
+  control spec (so it cannot change what the fleet runs), the run marker and the fleet's memory. Subscribe to
   `rq:pubsub:*` (RQ's commands), publish nothing.
 - supervisor (`supervisor watch/run/restart/report`): write the control spec, history, autopilot
   state, events, the fleet's memory (`bf:memory`, across runs), and drop expired names from the
@@ -101,7 +101,7 @@ def roles(run: str = "*") -> dict[str, Role]:
                    rqlayout.CLEAN_LOCK_PREFIX + "*", k.leases, k.done, k.results, k.stats, k.strikes, k.suspects,
                    k.isolate, k.workers, k.status("*"), k.events, k.refeed,
                    k.cancel),  # cancel: its acknowledgement field
-            read=(k.control, k.retry, k.meta, k.drop, rqlayout.QUEUES, rqlayout.SUSPENDED),
+            read=(k.control, k.retry, k.meta, k.drop, rqlayout.QUEUES, rqlayout.SUSPENDED, Keys.MEMORY),
             channels=(rqlayout.PUBSUB_PREFIX + "*", k.signals),
             commands=(*_DATA, "+subscribe", "+unsubscribe")),
         "supervisor": Role("supervisor", write=(k.control, k.retry, k.history, k.autopilot, k.events, k.workers,

@@ -72,6 +72,7 @@ last one ended (`supervisor/memory.py`). Redis is where every host's supervisor 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -271,6 +272,17 @@ class Keys:
                 self.cancel, self.refeed]  # not `drop`: its own TTL (DROP_TTL_S), which enqueueing again must not lift
 
     CONTROL_FLEET = "fleet"
+    # Not a spec: set ("1") by `supervisor watch --fresh-start` / `batchfleet run --fresh-start`: workers
+    # do not start on the fleet's memory (`MEMORY`) in this run.
+    CONTROL_FRESH = "fresh"
+
+    @staticmethod
+    def memory_field(model: str, gpu_name: str, gpu_memory_mib: int | None, version: str, shape: str) -> str | None:
+        """The field of `MEMORY` for one kind of server; None when any part of it is unknown (such a
+        server never uses the memory)."""
+        if not (model and gpu_name and gpu_memory_mib and version and shape):
+            return None
+        return json.dumps([model, gpu_name, gpu_memory_mib, version, shape], separators=(",", ":"), ensure_ascii=False)
 
     CONTROL_QUEUE_PREFIX = "queue:"
     CONTROL_WORKER_PREFIX = "worker:"

@@ -9,7 +9,8 @@ prompts, same simulated GPUs, one after the other:
 
 Goals: (b) <= 1.15 x (c); (b2) <= 1.03 x (c). Makespan is from the moment the workers are started
 (servers start included, as in a real run) until the last prompt has a result; every run is checked
-exactly-once. (a) and (c) get a fresh private Redis each; (b) and (b2) share one (b2 after b).
+exactly-once. (a) and (c) get a fresh private Redis each; (b) and (b2) share one (b2 after b), and
+their workers share a state dir (the same hosts: each worker knows the kind of its last server).
 
     python bench/bench_makespan.py [--gpus 8] [--prompts 6000] [--time-scale 1.5] [--only b,b2,c]
 """
@@ -37,8 +38,10 @@ MODES = {"a": "none", "b": "watch", "b2": "again", "c": "oracle"}
 
 
 def run_mode(mode: str, tmp: Path, redis_url: str, *, gpus: int, prompts: int, time_scale: float,
-             tokens: tuple[int, int], window_s: float, rollout_batch: int, png: Path | None) -> dict[str, Any]:
-    env = {**seed_env(time_scale), **(ORACLE if mode == "c" else {})}
+             tokens: tuple[int, int], window_s: float, rollout_batch: int, png: Path | None,
+             state_dir: Path | None = None) -> dict[str, Any]:
+    env = {**seed_env(time_scale), **(ORACLE if mode == "c" else {}),
+           **({"BATCHFLEET_STATE_DIR": str(state_dir)} if state_dir else {})}
     fleet = Fleet(tmp, redis_url, run=f"makespan-{mode}", gpus=gpus, env=env)
     write_seed_prompts(tmp / "prompts.jsonl", prompts, min_tokens=tokens[0], max_tokens=tokens[1])
     fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
@@ -98,6 +101,7 @@ def main() -> int:
     results = {}
     with contextlib.ExitStack() as shared:
         supervised = None  # (b) and (b2) meet in one Redis: it holds the fleet's memory between them
+        hosts = Path(shared.enter_context(tempfile.TemporaryDirectory(prefix="bench-makespan-hosts-")))
         for mode in args.only.split(","):
             with contextlib.ExitStack() as own, tempfile.TemporaryDirectory(prefix=f"bench-makespan-{mode}-") as tmp:
                 if mode in ("b", "b2"):
@@ -107,7 +111,8 @@ def main() -> int:
                     url = own.enter_context(PrivateRedis()).url
                 res = run_mode(mode, Path(tmp), url, gpus=args.gpus, prompts=args.prompts,
                                time_scale=args.time_scale, tokens=tuple(args.tokens), window_s=args.window,
-                               rollout_batch=args.rollout_batch, png=args.png)
+                               rollout_batch=args.rollout_batch, png=args.png,
+                               state_dir=hosts / "state" if mode in ("b", "b2") else None)
             results[mode] = res
             print(f"({mode}) {res['mode']}: makespan {res['makespan_s']:.1f} s, slots {res['slots_at_end']}, "
                   f"lost {res['lost']}, duplicated {res['duplicated']}", flush=True)

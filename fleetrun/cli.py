@@ -352,6 +352,11 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
     procs = Procs(logs)
     events = Events(r, keys)
     screen.rate = Throughput(gather_progress(r, keys, store)["completion_tokens"])
+    # Before any worker starts: with --fresh-start none starts on the fleet's memory (worker/spec.py).
+    if args.fresh_start:
+        r.hset(keys.control, Keys.CONTROL_FRESH, b"1")
+    else:
+        r.hdel(keys.control, Keys.CONTROL_FRESH)
     started = start_fleet(procs, config, args.groups, supervisor=not args.no_supervisor, dry_run=args.dry_run,
                           fresh_start=args.fresh_start)
     screen.say(f"{started}; logs in {logs}")

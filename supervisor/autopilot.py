@@ -160,7 +160,8 @@ class State:
     classes: dict[str, str] = field(default_factory=dict)  # last window's class per worker (for watch)
     control: dict[str, str] = field(default_factory=dict)  # control fields we last wrote (restored after data loss)
     shape: str = ""  # the canary's shape: the change is measured, rolled out and verified among that shape
-    recalled: bool = False  # the fleet's memory was consulted for this run (see `recall`)
+    recalled: bool = False  # the fleet's memory is not to be consulted (again) in this run (see `recall`)
+    consulted: list[str] = field(default_factory=list)  # queues whose servers the memory was consulted for
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -235,35 +236,42 @@ class Autopilot:
         return start + drain, how
 
     def recall(self, report: WindowReport, control: Control, memory: dict[str, Remembered]) -> list[Action]:
-        """Once per run, as soon as servers serve and say what they are: start them on the spec an
-        earlier run verified as best for their kind (model, GPU, SGLang version, shape), if any. Not a
-        canary (it was verified); the autopilot goes on watching and may move again."""
+        """Each server once per run, as soon as it serves and has said what it is: start it on the spec an
+        earlier run verified as best for its kind (model, GPU, SGLang version, shape), if any, and if its
+        worker did not already start on it. Not a canary (it was verified); the autopilot goes on
+        watching and may move again."""
         self._out = []
         st = self.state
         if st.recalled:
             return []
-        if self.s.fresh_start or control.fleet is not None or control.overrides:
+        if not st.consulted and (self.s.fresh_start or control.fleet is not None or control.overrides):
             st.recalled = True  # asked to start fresh, or this run's control already says what to run
             if self.s.fresh_start:
                 self._emit(EventKind.DECISION, "fresh start: the fleet's memory of earlier runs is not used")
             return self._out
-        serving = [v for v in report.servers if v.serving]
-        if not serving or any(v.facts is None for v in serving):
-            return []  # wait until the serving servers have said what they are
-        st.recalled = True
-        fields = {v.queue: memory_field(v) for v in serving}
+        present = [v for v in report.servers if v.cls != SILENT]
+        new = [v for v in present if v.serving and v.facts is not None and v.queue not in st.consulted]
+        if not new:
+            return []
+        first = not st.consulted
+        st.consulted = [*st.consulted, *(v.queue for v in new)]
+        fields = {v.queue: memory_field(v) for v in new}
         found = {q: memory[f] for q, f in fields.items() if f is not None and f in memory}
-        moved = {q: e for q, e in found.items() if spec_key(e.spec) != spec_key(control.current)}
+        mine = {v.queue: spec_key(v.spec or control.current) for v in new}  # what each runs now
+        moved = {q: e for q, e in found.items() if spec_key(e.spec) != mine[q]}
         if not moved:
             if found:
-                self._emit(EventKind.DECISION, f"the fleet's memory: already on {control.current.describe()}")
+                entry = next(iter(found.values()))
+                self._emit(EventKind.DECISION, f"the fleet's memory: {len(found)} server(s) already run "
+                           f"{entry.spec.describe()}, which run {entry.run or '?'} verified as best (their workers "
+                           "started on it)", recalled=True,
+                           remembered={q: remembered_data(e) for q, e in found.items()})
             return self._out
         gen = control.next_generation()
         specs = {spec_key(e.spec) for e in moved.values()}
         entry = next(iter(moved.values()))
-        kinds = sorted({describe_field(fields[q] or "") for q in moved})
-        where = "; ".join(kinds)
-        if len(moved) == len(serving) and len(specs) == 1:
+        where = "; ".join(sorted({describe_field(fields[q] or "") for q in moved}))
+        if first and len(moved) == len(present) and len(specs) == 1:
             spec = replace(entry.spec, generation=gen)
             self._out.append(SetFleet(spec))
             what = f"the fleet -> {spec.describe()} (generation {gen})"

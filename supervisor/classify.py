@@ -39,9 +39,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from batchfleet.records import CapCause, ServerFacts, Strategy, WorkerState, WorkerStatus
+from batchfleet.records import CapCause, ServerFacts, ServerSpec, Strategy, WorkerState, WorkerStatus
 
 from .fleet import FleetSnapshot
+from .ladder import current_spec
 
 __all__ = ["CLASSES", "Cls", "Point", "ServerView", "Thresholds", "WindowReport", "classify_window", "flag_value"]
 
@@ -144,6 +145,7 @@ class ServerView:
     start_s: float | None = None  # its worker's measure of its last start, launch to healthy
     drain_s: float | None = None  # ... of its last drain for a restart
     model: str = ""  # --model-path of its command line
+    spec: ServerSpec | None = None  # what it runs, read back from its command line (generation: the worker's)
     gpu_name: str = ""
     gpu_memory_mib: int | None = None
 
@@ -414,7 +416,7 @@ def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = 
             evidence=evidence if cls == MAMBA_BOUND else "", filling=evidence == "filling", facts=w.facts,
             points=tuple(points), shape=w.shape or "tp1", start_s=w.start_s, drain_s=w.drain_s,
             model=flag_value(w.server_flags, "--model-path", "--model") or "", gpu_name=w.gpu_name,
-            gpu_memory_mib=w.gpu_memory_mib))
+            gpu_memory_mib=w.gpu_memory_mib, spec=current_spec(None, [w])))
     gpu_flags, host_flags = _flag(views, th)
     views = [replace(v, outliers=gpu_flags.get(v.worker, [])) for v in views]
     eta = last.eta()

@@ -27,6 +27,7 @@ from typing import Any
 
 import orjson
 
+from batchfleet.keys import Keys
 from batchfleet.records import RecordError, ServerSpec, decode
 
 from .classify import ServerView
@@ -37,11 +38,8 @@ log = logging.getLogger("batchfleet.supervisor")
 
 
 def memory_field(v: ServerView) -> str | None:
-    """The memory's key for this server, or None when any part of it is unknown."""
-    version = v.facts.version if v.facts is not None else ""
-    if not (v.model and v.gpu_name and v.gpu_memory_mib and version and v.shape):
-        return None
-    return orjson.dumps([v.model, v.gpu_name, v.gpu_memory_mib, version, v.shape]).decode()
+    """The memory's key for this server (`Keys.memory_field`), or None when any part of it is unknown."""
+    return Keys.memory_field(v.model, v.gpu_name, v.gpu_memory_mib, v.facts.version if v.facts else "", v.shape)
 
 
 def describe_field(key: str) -> str:

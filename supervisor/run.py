@@ -40,6 +40,8 @@ def read_control(r: redis.Redis, k: Keys, snap: FleetSnapshot) -> Control:
     raw = {f.decode(): v for f, v in r.hgetall(k.control).items()}
     specs: dict[str, ServerSpec] = {}
     for name, value in raw.items():
+        if name == Keys.CONTROL_FRESH:
+            continue  # not a spec: workers start without the fleet's memory
         try:
             specs[name] = ServerSpec.from_json(value)
         except RecordError as exc:
@@ -133,6 +135,14 @@ def _restore(r: redis.Redis, k: Keys, state: State, say: Callable[[str], None]) 
     r.set(k.autopilot, state.to_json())
 
 
+def _write_fresh(r: redis.Redis, k: Keys, say: Callable[[str], None]) -> None:
+    try:
+        r.hset(k.control, Keys.CONTROL_FRESH, b"1")
+    except REDIS_DOWN as exc:
+        say(f"supervisor: could not tell the workers to start fresh ({type(exc).__name__}): they may start on the "
+            "fleet's memory")
+
+
 def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: LadderConfig,
                   thresholds: Thresholds | None = None, window_s: float = 10.0, sample_s: float = 1.0,
                   queue_pattern: str = DEFAULT_QUEUE_PATTERN, metrics: FleetMetrics | None = None,
@@ -155,6 +165,8 @@ def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: Ladder
     if state is None:
         return
     pilot = Autopilot(settings, ladder, state)
+    if settings.fresh_start:  # workers too: none starts on the fleet's memory (worker/spec.py)
+        _write_fresh(r, k, say)
     say(f"supervisor: {'advising (dry run)' if settings.dry_run else 'autopilot on'}; window {window_s:g} s, "
         f"act after {settings.static_windows} window(s) on start-up facts or {settings.windows} on gauges; "
         f"phase {pilot.state.phase}; back-offs: {', '.join(pilot.state.tried) or 'none'}")

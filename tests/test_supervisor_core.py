@@ -713,7 +713,7 @@ def memory(**kw) -> dict:
 def test_a_second_run_of_the_same_kind_starts_on_the_remembered_spec_and_keeps_watching():
     pilot = Autopilot(Settings(windows=1, restart_cost_s=1), LadderConfig(forbid=frozenset({"no_radix"})))
     starting = classify_window([snap([kind(ws(g, state="starting", facts=None)) for g in range(4)])])
-    assert pilot.recall(starting, control(), memory()) == [] and not pilot.state.recalled  # wait: nothing serves
+    assert pilot.recall(starting, control(), memory()) == [] and not pilot.state.consulted  # wait: nothing serves
     rep = classify_window([snap([kind(ws(g, facts=SEED)) for g in range(4)])])
     acts = pilot.recall(rep, control(), memory())
     (fleet,) = [a for a in acts if isinstance(a, SetFleet)]
@@ -721,7 +721,8 @@ def test_a_second_run_of_the_same_kind_starts_on_the_remembered_spec_and_keeps_w
     (decision,) = emitted(acts, "decision")
     assert "the fleet's memory: run yesterday verified no_buffer, mem 0.9, max 128 as best, verified x1.90" in \
         decision.message and "Qwen/Qwen3.6-27B on NVIDIA RTX PRO 6000 (96 GiB), SGLang 0.5.23, tp1" in decision.message
-    assert pilot.state.recalled and pilot.recall(rep, control(), memory()) == []  # once per run
+    assert pilot.state.consulted == ["gpu0", "gpu1", "gpu2", "gpu3"]
+    assert pilot.recall(rep, control(), memory()) == []  # once per server and run
     # ... and the autopilot still watches: a stall on the remembered spec is diagnosed as ever.
     on_it = dict(generation=1, strategy="no_buffer", cap=72, in_flight=72, facts=NB)
     acts = drive(pilot, [window(lambda t: [kind(ws(g, t=t, **on_it)) for g in range(4)], 1)],
@@ -734,7 +735,7 @@ def test_a_second_run_of_the_same_kind_starts_on_the_remembered_spec_and_keeps_w
 def test_another_kind_of_server_does_not_use_the_memory(other):
     pilot = Autopilot(Settings(windows=1), LadderConfig())
     rep = classify_window([snap([kind(ws(g, facts=SEED), **other) for g in range(4)])])
-    assert pilot.recall(rep, control(), memory()) == [] and pilot.state.recalled
+    assert pilot.recall(rep, control(), memory()) == [] and len(pilot.state.consulted) == 4
 
 
 def test_fresh_start_ignores_the_memory_and_a_mixed_fleet_recalls_per_queue():
@@ -748,3 +749,19 @@ def test_fresh_start_ignores_the_memory_and_a_mixed_fleet_recalls_per_queue():
     assert [(a.queue, a.spec.strategy) for a in acts if isinstance(a, SetOverride)] == \
         [(f"gpu{g}", "no_buffer") for g in range(4)]  # the TP4 server's kind has no memory: it keeps its spec
     assert not [a for a in acts if isinstance(a, SetFleet)]
+
+
+def test_a_server_that_serves_later_or_whose_worker_started_on_the_memory_is_handled_on_its_own():
+    """gpu0's worker started on the remembered spec (its state dir knew its kind): nothing to do for it;
+    gpu1 serves later on the default (a new host): an override moves it alone."""
+    pilot = Autopilot(Settings(windows=1), LadderConfig())
+    on_it = kind(ws(0, facts=NB, strategy="no_buffer", flags=["--mem-fraction-static", "0.9",
+                                                             "--max-running-requests", "128"]))
+    acts = pilot.recall(classify_window([snap([on_it, kind(ws(1, state="starting", facts=None))])]), control(),
+                        memory())
+    assert not [a for a in acts if not isinstance(a, Emit)]
+    assert "1 server(s) already run no_buffer, mem 0.9, max 128" in emitted(acts, "decision")[0].message
+    acts = pilot.recall(classify_window([snap([on_it, kind(ws(1, facts=SEED))])]),
+                        control(overrides={}), memory())
+    assert [(a.queue, a.spec.strategy, a.spec.generation) for a in acts if isinstance(a, SetOverride)] == \
+        [("gpu1", "no_buffer", 1)]

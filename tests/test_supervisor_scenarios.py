@@ -315,8 +315,10 @@ def test_the_measured_restart_cost_decides_and_the_next_run_starts_on_what_this_
     defaults (no --restart-cost): its decision prices a restart at what the workers measured (named in
     its reason), where the 300 s it assumed before would have refused (the time saved is less than
     2 x 300 s), and it switches; the verified spec goes into the fleet's memory. Run 2, same Redis,
-    same model, GPUs, SGLang version and shape: it starts on that spec without a canary. Both runs:
-    every prompt exactly once."""
+    same model, GPUs, SGLang version and shape: gpu0's worker has the state dir of run 1 (same host:
+    it knows its kind) and starts on that spec, no restart; gpu1's has a fresh one (a new host): the
+    supervisor moves it once its server has said what it is. No canary. Both runs: every prompt exactly
+    once."""
     import re
 
     args = ("--window", "2", "--windows", "3", "--sample", "0.5", "--verify-windows", "2", "--rollout-batch", "1",
@@ -330,8 +332,9 @@ def test_the_measured_restart_cost_decides_and_the_next_run_starts_on_what_this_
         fleet = Fleet(tmp, redis_url, run=run, gpus=2, env=env)
         write_seed_prompts(tmp / "prompts.jsonl", n, min_tokens=500, max_tokens=900)
         fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
-        for g in range(2):
-            fleet.start_worker(g)
+        for g in range(2):  # gpu0 keeps the state dir of run 1; gpu1 gets a new one in run 2
+            state = tmp_path / "mem1" / "state" if g == 0 or run == "mem1" else tmp / "state-new-host"
+            fleet.start_worker(g, env={"BATCHFLEET_STATE_DIR": str(state)})
         sup = SupervisorProc(fleet, *args)
         try:
             if run == "mem1":
@@ -358,6 +361,9 @@ def test_the_measured_restart_cost_decides_and_the_next_run_starts_on_what_this_
     assert orjson.loads(key) == ["Qwen/Qwen3.6-27B", "NVIDIA RTX PRO 6000 Blackwell (simulated)", 97887,
                                  first["statuses"][0].facts.version, "tp1"]
     assert "run mem1 verified no_buffer, mem 0.9, max 128 as best" in second["decision"].message, second["log"]
+    assert "mem2.gpu1 -> no_buffer" in second["decision"].message and "gpu0 ->" not in second["decision"].message
     assert not [e for e in second["events"] if e.kind in ("canary", "rollback")], second["log"]
+    restarted = [e.data.get("queue") for e in second["events"] if e.kind == "restarted"]
+    assert restarted == ["mem2.gpu1"], second["log"]  # gpu0 started on the memory: no restart
     assert {(s.strategy, s.effective_max) for s in second["statuses"]} == {("no_buffer", 72)}
     assert second["exactly_once"] == (0, 0)

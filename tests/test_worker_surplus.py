@@ -5,7 +5,11 @@ drain. Real Redis; the server is an in-process backend with a capacity and a FIF
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+from dataclasses import replace
 
+import orjson
 import redis.asyncio as aioredis
 from rq import Queue
 
@@ -188,3 +192,44 @@ def test_the_first_claim_fills_the_capacity_plus_the_initial_surplus(fleets, tmp
     assert fleet.finished() == 0 and rec["requests_total"] == 24  # nothing finished yet, nothing claimed since
     assert rec["peak_running"] == 12 and rec["peak_queued"] == 12
     fleet.stop_all()
+
+
+def test_a_worker_starts_on_the_fleets_memory_for_the_kind_its_last_server_was(r, redis_url, tmp_path) -> None:
+    """Issue 22 §4, worker side (real Redis): a worker whose state dir says what kind of server its last
+    start ran (model, GPU, SGLang version, shape, with the same configuration) starts on the spec the
+    fleet's memory holds for that kind: no restart. Not with --fresh-start (the control hash's `fresh`),
+    not with another configuration, and a spec in the control hash always wins."""
+    from batchfleet.records import ServerFacts, ServerSpec, WorkerStatus
+    from worker.events import EventLog
+    from worker.spec import SpecFollower
+
+    field = Keys.memory_field("m/27b", "NVIDIA RTX PRO 6000", 97887, "0.5.23", "tp1")
+    nb = ServerSpec(strategy="no_buffer", mem_fraction_static=0.9, max_running_requests=128)
+    r.hset(Keys.MEMORY, field, orjson.dumps({"spec": orjson.loads(nb.to_json()), "run": "yesterday"}))
+    k = Keys("today")
+
+    async def desired(config: Config, *, note: bool = False) -> ServerSpec:
+        client = aioredis.from_url(redis_url)
+        follower = SpecFollower(config, client, k, worker="w", queue="today.gpu0", gpu=0,
+                                events=EventLog(client, k, source="w", clock=time.time), current=lambda: None)
+        spec = await follower.desired()
+        if note:  # what the worker publishes once its server serves
+            follower.note_kind(WorkerStatus(worker="w", host="h", queue="yesterday.gpu0", gpu=0, state="serving",
+                                            server_flags=["--model-path", "m/27b", "--port", "1"], shape="tp1",
+                                            gpu_name="NVIDIA RTX PRO 6000", gpu_memory_mib=97887,
+                                            facts=ServerFacts(version="0.5.23")))
+        await client.aclose()
+        return spec
+
+    config = Config(run="today", model_path="m/27b", state_dir=tmp_path / "state")
+    (tmp_path / "state").mkdir()
+    assert asyncio.run(desired(config)) == ServerSpec()  # this host never ran one: its configuration
+    assert asyncio.run(desired(config, note=True)) == ServerSpec()  # then its server says what it is
+    assert json.loads((tmp_path / "state" / "kind-gpu0.json").read_text())["field"] == field
+    assert asyncio.run(desired(config)) == nb  # the next worker of this host: the memory, generation 0
+    assert asyncio.run(desired(replace(config, server_args="--tp-size 2"))) == ServerSpec()  # another config
+    r.hset(k.control, Keys.CONTROL_FRESH, b"1")
+    assert asyncio.run(desired(config)) == ServerSpec()  # --fresh-start
+    r.hdel(k.control, Keys.CONTROL_FRESH)
+    r.hset(k.control, Keys.CONTROL_FLEET, ServerSpec(generation=3, strategy="no_radix").to_json())
+    assert asyncio.run(desired(config)).generation == 3  # the supervisor's word wins

@@ -86,7 +86,7 @@ class GPUService:
         self.publisher = StatusPublisher(client, self.k, snapshot=self.snapshot)
         self.reporter = StatusReporter(self.publisher, self.meter, interval_s=config.status_interval_s,
                                        http=lambda: self.keeper.http, server_running=lambda: self.server.running,
-                                       rq_heartbeat=rq_heartbeat, gpu=gpu)
+                                       rq_heartbeat=rq_heartbeat, gpu=gpu, on_published=self.spec.note_kind)
         self.keeper = ServerKeeper(config, self.server, self.dispatcher, self.spec, self.events, gpu=gpu,
                                    publish=self.reporter.publish_now, retry_token=self._retry_token)
         self._marker = MarkerWatch(self.k, log)  # says so when Redis loses the run's data

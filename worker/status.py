@@ -54,9 +54,11 @@ class StatusReporter:
 
     def __init__(self, publisher: StatusPublisher, meter: ThroughputMeter, *, interval_s: float,
                  http: Callable[[], sglang.SGLangClient | None], server_running: Callable[[], bool],
-                 rq_heartbeat: Callable[[], object], gpu: int | None = None) -> None:
+                 rq_heartbeat: Callable[[], object], gpu: int | None = None,
+                 on_published: Callable[[WorkerStatus], None] | None = None) -> None:
         self.publisher = publisher
         self.gpu = gpu
+        self.on_published = on_published  # e.g. the spec follower keeps the server's kind (the fleet's memory)
         self.meter = meter
         self.interval_s = interval_s
         self.http = http
@@ -80,8 +82,10 @@ class StatusReporter:
                 if client is not None and self.server_running():
                     self.metrics = await scrape_metrics(client)
                     self.meter.note_counter(self.metrics.generation_tokens_total)
-                await self.publisher.publish()
+                status = await self.publisher.publish()
                 LINK.ok()
+                if self.on_published is not None:
+                    self.on_published(status)
                 await asyncio.to_thread(self.rq_heartbeat)
             except (redis.RedisError, OSError) as exc:
                 LINK.lost("publishing the status record", exc)

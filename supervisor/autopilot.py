@@ -437,7 +437,8 @@ class Autopilot:
         retry = f" (try {st.tried[key]['tries'] + 1}, bar x{1 + bar:.2f})" if key in st.tried else ""
         self._emit(EventKind.DECISION, f"mamba-bound for {st.stall} window(s) on {len(stalled)}/{len(report.serving)} "
                    f"GPUs ({evidence}); canary {canary.label}: {cur} -> {target.describe()} (generation "
-                   f"{target.generation}), predicted capacity x{prop.ratio:.2f}{retry}", seen=seen, why=why,
+                   f"{target.generation}), predicted capacity x{prop.ratio:.2f}{retry}; worth it: {worth}", seen=seen,
+                   why=why,
                    done=f"override {canary.label} (queue {canary.queue})", windows=st.stall, decide_s=decide_s,
                    evidence=evidence, before_tokens_per_s=round(st.before_tps, 1), target=st.target,
                    predicted_ratio=round(prop.ratio, 3), restart_cost_s=round(cost, 1), restart_cost=learned,

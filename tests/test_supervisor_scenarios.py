@@ -353,6 +353,7 @@ def test_the_measured_restart_cost_decides_and_the_next_run_starts_on_what_this_
     first, second = runs["mem1"], runs["mem2"]
     why = " ".join(first["decision"].data["why"])
     assert first["decision"].data["restart_cost"].startswith("measured: start"), first["log"]
+    assert "(measured: start" in first["log"]  # the printed reason names the measured figure
     assert first["decision"].data["restart_cost_s"] < 10
     saved = float(re.search(r"~([\d,.]+) s saved", why).group(1).replace(",", ""))
     assert saved <= 2 * 300, why  # the assumed 300 s would have said "not worth a restart"

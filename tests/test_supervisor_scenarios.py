@@ -287,7 +287,8 @@ def test_a_worker_follows_a_new_spec_at_once_even_while_its_health_probe_waits(t
     prompt could finish (the first one needs ~200 s here), with every in-flight prompt handed back."""
     fleet = Fleet(tmp_path, redis_url, run="probe", gpus=1,
                   env={**seed_env(1), "BATCHFLEET_HEALTH_INTERVAL_S": "1", "BATCHFLEET_SHUTDOWN_GRACE_S": "1"})
-    write_seed_prompts(tmp_path / "prompts.jsonl", 40, min_tokens=3000, max_tokens=3000)
+    # Enough for the capacity and the initial surplus (as much again, issue 22 §3): 37 + 37
+    write_seed_prompts(tmp_path / "prompts.jsonl", 80, min_tokens=3000, max_tokens=3000)
     fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     try:
         fleet.start_worker(0)

@@ -272,7 +272,7 @@ def test_a_stale_pid_file_leads_to_a_kill_only_when_it_is_verifiably_our_old_ser
 
 # --- 7.6: bookkeeping defects ------------------------------------------------------------------------------
 def test_a_worker_paused_for_a_long_results_stream_resumes_when_the_collector_drains_it(tmp_path, fleets):
-    n = 40
+    n = 80  # more than its first claims (capacity 12 + an initial surplus of 12): it must resume to finish
     fleet = fleets(run="pause", prefix="pause.", gpus=1, env={"BATCHFLEET_MAX_PENDING_RESULTS": "5"})
     rows = write_prompts(tmp_path / "prompts.jsonl", n)
     fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)

@@ -160,5 +160,7 @@ def test_server_shape_of_a_built_command_line(cli_0523):
 
     c = Config(model_path="/models/m", sglang_cmd="python -m sglang.launch_server",
                server_args="--tp-size 2 --dp-size 2 --enable-dp-attention")
-    assert server_shape(build_argv(c, cli_0523, port=30000)) == "tp2dp2+dpattn"
+    assert server_shape(build_argv(c, cli_0523, port=30000, gpus=(0, 1))) == "tp2dp2+dpattn"
+    # the worker of a group adds the size itself
+    assert server_shape(build_argv(cfg(), cli_0523, port=30000, gpus=(0, 1, 2, 3))) == "tp4"
     assert server_shape(build_argv(cfg(), cli_0523, port=30000)) == "tp1"

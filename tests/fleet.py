@@ -224,8 +224,9 @@ def expected_text(row: dict[str, Any]) -> str:
     from sglang_sim.textgen import expected_completion, render_chat
 
     params: dict[str, Any] = {"max_new_tokens": row["max_tokens"]}
-    if "temperature" in row:
-        params["temperature"] = row["temperature"]
+    for ours, sim in (("temperature", "temperature"), ("ignore_eos", "ignore_eos")):
+        if ours in row:
+            params[sim] = row[ours]
     prompt = render_chat(row["messages"]) if "messages" in row else row["prompt"]
     return expected_completion(prompt, params)[0]
 

@@ -43,7 +43,8 @@ def main() -> int:
 
     run = time.strftime("demo-%Y%m%d-%H%M%S")
     workdir = ROOT / "var" / "demo" / run
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    workdir.mkdir(mode=0o700)  # the run's state dir: private, as `batchfleet run` makes its own
     env = {
         **os.environ,
         "PATH": f"{BIN}:{ROOT / 'sglang_sim' / 'bin'}:{os.environ.get('PATH', '')}",  # nvidia-smi stand-in

@@ -15,21 +15,29 @@ import subprocess
 import time
 from collections.abc import Iterable
 
-__all__ = ["gpu_memory_mib", "gpus_memory_mib", "listed_gpus", "wait_gpu_free"]
+__all__ = ["gpu_memory_mib", "gpus_memory_mib", "listed_gpus", "nvidia_smi", "wait_gpu_free"]
 
 log = logging.getLogger("batchfleet.worker.gpu")
 QUERY = ["--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"]
 
 
-def gpus_memory_mib(indices: Iterable[int]) -> dict[int, tuple[int, int]] | None:
-    """(used, total) MiB of each of these GPUs that nvidia-smi lists (one call), or None when no
-    nvidia-smi answers."""
+def nvidia_smi(args: list[str]) -> str | None:
+    """What `nvidia-smi ARGS` prints (the driver's tool, or the simulator's stand-in), or None when none
+    is on PATH or it fails."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, *QUERY], capture_output=True, text=True, timeout=20, check=True).stdout
+        return subprocess.run([exe, *args], capture_output=True, text=True, timeout=20, check=True).stdout
     except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpus_memory_mib(indices: Iterable[int]) -> dict[int, tuple[int, int]] | None:
+    """(used, total) MiB of each of these GPUs that nvidia-smi lists (one call), or None when no
+    nvidia-smi answers."""
+    out = nvidia_smi(QUERY)
+    if out is None:
         return None
     wanted = {str(i): i for i in indices}
     seen: dict[int, tuple[int, int]] = {}

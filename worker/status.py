@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -19,6 +17,7 @@ from batchfleet import keys, sglang
 from batchfleet.keys import Keys
 from batchfleet.records import ServerMetrics, WorkerStatus
 
+from .gpu import nvidia_smi
 from .meter import ThroughputMeter
 from .redislink import LINK
 
@@ -115,12 +114,8 @@ def probe_gpu_model(index: int) -> tuple[str, int] | None:
     stand-in), asked once and kept; None when none answers."""
     if index in _gpu_models:
         return _gpu_models[index]
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, *_GPU_QUERY], capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
+    out = nvidia_smi(_GPU_QUERY)
+    if out is None:
         return None
     for line in out.splitlines():
         fields = [f.strip() for f in line.split(",")]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -26,6 +27,7 @@ __all__ = [
     "capacity_from_log",
     "complete",
     "effective_capacity",
+    "flag_value",
     "get_server_info",
     "make_client",
     "parse_metrics",
@@ -118,6 +120,17 @@ async def abort_requests(client: SGLangClient, rids: list[str], *, timeout_s: fl
     for t in pending:
         t.cancel()
     return sum(1 for t in done if not t.cancelled() and t.exception() is None and t.result())
+
+
+def flag_value(flags: Sequence[str], *names: str) -> str | None:
+    """The value of the last of `names` in a server's command line (`--flag V` or `--flag=V`; argparse
+    keeps the last), or None."""
+    value = None
+    for i, token in enumerate(flags):
+        flag, eq, inline = token.partition("=")
+        if flag in names:
+            value = inline if eq else (flags[i + 1] if i + 1 < len(flags) else None)
+    return value
 
 
 def error_message(status: int, content: bytes) -> str:

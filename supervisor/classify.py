@@ -40,11 +40,12 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from batchfleet.records import CapCause, ServerFacts, ServerSpec, Strategy, WorkerState, WorkerStatus
+from batchfleet.sglang import flag_value
 
 from .fleet import FleetSnapshot
 from .ladder import current_spec
 
-__all__ = ["CLASSES", "Cls", "Point", "ServerView", "Thresholds", "WindowReport", "classify_window", "flag_value"]
+__all__ = ["CLASSES", "Cls", "Point", "ServerView", "Thresholds", "WindowReport", "classify_window"]
 
 
 class Cls(StrEnum):
@@ -207,16 +208,6 @@ class WindowReport:
 
     def by_queue(self, queue: str) -> ServerView | None:
         return next((s for s in self.servers if s.queue == queue), None)
-
-
-def flag_value(flags: Sequence[str], *names: str) -> str | None:
-    """The value of the last of `names` in a server's command line (`--flag V` or `--flag=V`)."""
-    value = None
-    for i, token in enumerate(flags):
-        flag, eq, inline = token.partition("=")
-        if flag in names:
-            value = inline if eq else (flags[i + 1] if i + 1 < len(flags) else None)
-    return value
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

@@ -13,6 +13,7 @@ import shlex
 import subprocess
 from dataclasses import dataclass
 
+from batchfleet import sglang
 from batchfleet.config import Config
 from batchfleet.errors import ConfigError, ServerStartError
 from batchfleet.records import Strategy
@@ -86,18 +87,8 @@ def strategy_flags(strategy: Strategy | str, cli: ServerCLI) -> list[str]:
                       f"nor {OLD_STRATEGY_FLAG} lists it)")
 
 
-def _last_value(tokens: list[str], names: tuple[str, ...]) -> str | None:
-    """The last value given to any of `names` (`--tp-size 4` or `--tp-size=4`); argparse keeps the last."""
-    value = None
-    for i, token in enumerate(tokens):
-        flag, eq, rest = token.partition("=")
-        if flag in names:
-            value = rest if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
-    return value
-
-
 def _size(tokens: list[str], names: tuple[str, ...]) -> int | None:
-    raw = _last_value(tokens, names)
+    raw = sglang.flag_value(tokens, *names)
     if raw is None:
         return None
     if not raw.isdigit() or int(raw) < 1:

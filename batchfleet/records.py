@@ -13,23 +13,21 @@
 
 Every closed set of values a record carries is a StrEnum (`WorkerState`, `Strategy`, `CapCause`,
 `EventKind`); on the wire it is its value, a plain string. A record built in this process holds
-members (a string given for such a field is turned into its member, or refused).
+members (a string given for such a field is turned into its member, or refused). Decoding a record
+another process wrote is `codec.decode`'s (re-exported here as `decode`); a job's envelope around its
+`Prompt` is `batchfleet.jobs`'.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import math
 import time
-import types
-import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
+from .codec import REFUSE_UNKNOWN, decode, enum_members, loads
 from .errors import RecordError
 from .redact import redact_argv
 
@@ -49,11 +47,7 @@ __all__ = [
     "WorkerState",
     "WorkerStatus",
     "decode",
-    "job_id_for",
-    "prompt_wire",
 ]
-
-log = logging.getLogger("batchfleet.records")
 
 
 class Strategy(StrEnum):
@@ -110,194 +104,8 @@ class EventKind(StrEnum):
     UNKNOWN = "unknown"  # a kind this version does not know (a newer process wrote it)
 
 
-# --- decoding: records written by another process (maybe another version) ---------------------------
-# A rolling upgrade runs old and new processes side by side, so a record may carry fields this
-# version does not know: they are ignored, with one warning per record type and field set. A value
-# of a StrEnum field this version does not know (a newer worker's state) is read as the enum's
-# UNKNOWN member, with one warning per enum and value, and the rest of the record is kept -- except
-# in a field marked REFUSE_UNKNOWN (what a server is asked to run: a worker cannot run what it does
-# not know). A field of the wrong type, or a record that is not an object, is a RecordError: the
-# reader decides what to do (skip the record, keep what it had), and never exits on it.
-
-R = TypeVar("R")
-_warned: set[tuple[str, frozenset[str]]] = set()
-_warned_values: set[tuple[str, str]] = set()
-_WARNED_VALUES_MAX = 1000  # a forger writing endless values gets that many warnings, then silence
-REFUSE_UNKNOWN = {"refuse_unknown": True}  # dataclass field metadata: an unknown enum value is a RecordError
-
-
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if origin is not None:
-        hint = origin
-    if isinstance(hint, type) and issubclass(hint, StrEnum):
-        return isinstance(value, str) and value in {m.value for m in hint}
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(hint, type) and hint.__module__ == __name__ and hasattr(hint, "__dataclass_fields__"):
-        return isinstance(value, dict)
-    return isinstance(value, hint) if isinstance(hint, type) else True
-
-
-def _record_type(hint: Any) -> type | None:
-    """The record type a field holds (itself or inside `X | None`), for nested decoding."""
-    return next((h for h in (hint, *typing.get_args(hint)) if isinstance(h, type)
-                 and h.__module__ == __name__ and hasattr(h, "__dataclass_fields__")), None)
-
-
-# Per record type, worked out once (decode runs for every prompt a worker takes): field name ->
-# (its type check, nested record type, StrEnum field), and the set of known names.
-Check = typing.Callable[[Any], bool]
-
-
-@dataclass(frozen=True, slots=True)
-class _EnumField:
-    enum: type[StrEnum]
-    members: dict[str, StrEnum]  # value -> member
-    unknown: StrEnum | None  # the enum's UNKNOWN member; None where an unknown value is refused
-
-    @classmethod
-    def of(cls, enum: type[StrEnum], *, refuse_unknown: bool) -> _EnumField:
-        return cls(enum, {m.value: m for m in enum}, None if refuse_unknown else enum.__members__.get("UNKNOWN"))
-
-    def member(self, record: type, name: str, value: str) -> StrEnum:
-        """The member of this value; an unknown one is UNKNOWN (one warning), or a RecordError."""
-        member = self.members.get(value)
-        if member is not None:
-            return member
-        if self.unknown is None:
-            known = ", ".join(m.value for m in self.enum if m.name != "UNKNOWN")
-            raise RecordError(f"{record.__name__}: {name} {value[:60]!r} is not one of {known}")
-        key = (self.enum.__name__, value[:200])
-        if key not in _warned_values and len(_warned_values) < _WARNED_VALUES_MAX:
-            _warned_values.add(key)
-            log.warning("%s record has %s %r, which this version does not know: read as %s.UNKNOWN, the rest of the "
-                        "record kept (a newer batchfleet wrote it?)", record.__name__, name, value[:60],
-                        self.enum.__name__)
-        return self.unknown
-
-
-_PLANS: dict[type, tuple[frozenset[str], dict[str, tuple[Check, type | None, _EnumField | None]]]] = {}
-
-
-def _check_for(hint: Any) -> Check:
-    """The type check of one field, as a bare isinstance wherever the hint allows (it runs for every
-    field of every prompt a worker takes)."""
-    origin = typing.get_origin(hint)
-    if _is_enum(hint):  # any string: a value this version does not know is handled by _EnumField
-        return lambda v: isinstance(v, str)
-    if hint in (str, bool, dict, list):
-        return lambda v, t=hint: isinstance(v, t)
-    if hint is int:
-        return lambda v: isinstance(v, int) and not isinstance(v, bool)
-    if origin in (dict, list):  # dict[str, Any], list[str]: the container is checked, not its items
-        return lambda v, t=origin: isinstance(v, t)
-    return lambda v: _type_ok(v, hint)
-
-
-def _is_enum(hint: Any) -> bool:
-    return isinstance(hint, type) and issubclass(hint, StrEnum)
-
-
-def _plan(cls: type) -> tuple[frozenset[str], dict[str, tuple[Check, type | None, _EnumField | None]]]:
-    plan = _PLANS.get(cls)
-    if plan is None:
-        hints = typing.get_type_hints(cls)
-        per_field = {}
-        for f in fields(cls):  # type: ignore[arg-type]
-            hint = hints[f.name]
-            enum = _EnumField.of(hint, refuse_unknown=bool(f.metadata.get("refuse_unknown"))) \
-                if _is_enum(hint) else None
-            per_field[f.name] = (_check_for(hint), _record_type(hint), enum)
-        plan = _PLANS[cls] = (frozenset(per_field), per_field)
-    return plan
-
-
-_ENUM_FIELDS: dict[type, tuple[tuple[str, type[StrEnum]], ...]] = {}
-
-
-def _members(record: Any) -> None:
-    """In a record's __post_init__: each StrEnum field holds a member, not the string it was given
-    (ValueError for a string that is none of them). Decoded records hold members already."""
-    cls = type(record)
-    enums = _ENUM_FIELDS.get(cls)
-    if enums is None:
-        enums = _ENUM_FIELDS[cls] = tuple((name, e.enum) for name, (_, _, e) in _plan(cls)[1].items() if e is not None)
-    for name, enum in enums:
-        value = getattr(record, name)
-        if type(value) is not enum:
-            object.__setattr__(record, name, enum(value))
-
-
-def decode(cls: type[R], data: Any) -> R:
-    """Build record `cls` from a decoded JSON object: unknown fields ignored (one warning), known
-    fields type-checked, nested records decoded the same way. Raises RecordError."""
-    if not isinstance(data, dict):
-        raise RecordError(f"{cls.__name__}: not a JSON object ({type(data).__name__})")
-    known, per_field = _plan(cls)
-    if not known.issuperset(data):
-        unknown = frozenset(data) - known
-        if (cls.__name__, unknown) not in _warned:
-            _warned.add((cls.__name__, unknown))
-            log.warning("%s record has field(s) this version does not know, ignored: %s (a newer batchfleet "
-                        "wrote it?)", cls.__name__, ", ".join(sorted(map(str, unknown)))[:200])
-    values: dict[str, Any] = {}
-    for name, value in data.items():
-        entry = per_field.get(name)
-        if entry is None:
-            continue
-        check, sub, enum = entry
-        if not check(value):
-            raise RecordError(f"{cls.__name__}.{name}: unexpected value {orjson.dumps(value).decode()[:60]}")
-        if sub is not None and isinstance(value, dict):
-            value = decode(sub, value)
-        elif enum is not None:
-            value = enum.member(cls, name, value)
-        values[name] = value
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as exc:  # a required field missing, or __post_init__ refused it
-        raise RecordError(f"{cls.__name__}: {exc}") from None
-
-
-def loads(cls: type[R], raw: bytes | str) -> R:
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise RecordError(f"{cls.__name__}: not JSON ({exc})") from None
-    return decode(cls, data)
-
 # The OpenAI batch `url`s batchfleet serves, each the same path on an SGLang server.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-
-
-def job_id_for(run: str, cid: str) -> str:
-    """The RQ job id of a prompt: the same custom_id in the same run is always the same job, which
-    is what makes enqueueing idempotent. Hashed so any custom_id (long, odd characters) is safe."""
-    return "bf-" + hashlib.blake2b(f"{run}\0{cid}".encode(), digest_size=12).hexdigest()
-
-
-def prompt_wire(cid: str, seq: int, url: str, body: Any, *, src: str = "", fp: str = "",
-                run: str = "") -> dict[str, Any]:
-    """A prompt record as it travels in a job, `Prompt.from_dict` reads it back. `body` may be an
-    `orjson.Fragment` (the head splices in the body as the store holds it). Empty fields are left out,
-    and `run` comes last: every job of a run ends alike (`producer.ends.run_jobs` finds them so)."""
-    d: dict[str, Any] = {"cid": cid, "seq": seq, "url": url, "body": body}
-    if src:
-        d["src"] = src
-    if fp:
-        d["fp"] = fp
-    if run:
-        d["run"] = run
-    return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,9 +117,6 @@ class Prompt:
     src: str = ""  # "file:line", for messages
     run: str = ""  # the run it belongs to: its result goes to that run's stream, so a worker checks it
     fp: str = ""  # the request's fingerprint (hex, from the store): its Result echoes it, see Result.fp
-
-    def to_dict(self) -> dict[str, Any]:
-        return prompt_wire(self.cid, self.seq, self.url, self.body, src=self.src, fp=self.fp, run=self.run)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Prompt:
@@ -413,7 +218,7 @@ class ServerFacts:
     version: str = ""
 
     def __post_init__(self) -> None:
-        _members(self)
+        enum_members(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,7 +252,7 @@ class WorkerStatus:
     gpu_memory_mib: int | None = None  # its memory, MiB
 
     def __post_init__(self) -> None:
-        _members(self)
+        enum_members(self)
         # The server's command line may hold its API key (`--api-key K`): never in a record, whoever
         # built it (this worker, or an older one whose record is read back).
         flags = redact_argv(self.server_flags) if isinstance(self.server_flags, list) else self.server_flags
@@ -477,7 +282,7 @@ class ServerSpec:
         """The allow-list: a spec is data from Redis, so only values a server can sensibly run pass."""
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy {str(self.strategy)!r} is not one of {', '.join(STRATEGIES)}")
-        _members(self)
+        enum_members(self)
         if self.generation < 0:
             raise ValueError(f"generation {self.generation} is negative")
         lo, hi = MEM_FRACTION_RANGE
@@ -512,7 +317,7 @@ class Event:
     ts: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        _members(self)
+        enum_members(self)
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))

@@ -13,7 +13,7 @@ import asyncio
 import re
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -23,9 +23,8 @@ from .records import ServerMetrics
 
 __all__ = [
     "SGLangClient",
-    "abort_requests",
+    "Transport",
     "capacity_from_log",
-    "complete",
     "effective_capacity",
     "flag_value",
     "get_server_info",
@@ -42,28 +41,75 @@ _PERMANENT = {400, 404, 413, 422}
 GENERATION_KEEPALIVE_S = 4.0
 
 
+class Transport(Protocol):
+    """What carries the client's requests (`http1.Http1Pool`). A request that got no HTTP answer
+    raises ConnectionError (`http1.ConnectFailed` when it was never sent) or TimeoutError."""
+
+    async def post(self, path: str, payload: bytes) -> tuple[int, bytes]: ...
+
+    async def get(self, path: str, *, timeout_s: float) -> tuple[int, bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
 class SGLangClient:
-    """One client per server, one HTTP stack: generations (`complete`, thousands a second) and the
-    control plane (`get`: health, metrics, server info) go through one `http1.Http1Pool`, with the
-    server's API key, a connection limit, and a timeout for no byte from the server (a new connection
-    within 10 s). The pool's connections are shared: a health check may reuse a generation's."""
+    """One client per server, one HTTP stack: generations (`complete`, thousands a second), their
+    aborts, and the control plane (`get`: health, metrics, server info) go through one transport
+    (`make_client`: an `http1.Http1Pool` with the server's API key, a connection limit, and a timeout
+    for no byte from the server). The pool's connections are shared: a health check may reuse a
+    generation's."""
 
-    def __init__(self, base_url: str, *, api_key: str, timeout_s: float, max_connections: int) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.pool = Http1Pool(base_url, max_connections=max_connections, timeout_s=timeout_s,
-                              connect_timeout_s=10.0, idle_s=GENERATION_KEEPALIVE_S, headers=headers)
+    def __init__(self, pool: Transport) -> None:
+        self.pool = pool
 
-    async def post_generation(self, url: str, payload: bytes) -> tuple[int, bytes]:
-        """POST `payload` (JSON) to `url` (a path) -> (status, body). Raises RetryableError when no
-        HTTP answer came (its cause is `http1.ConnectFailed` when the request was never sent)."""
+    async def complete(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST one OpenAI-shaped request to `url` (a path); return the reply or raise
+        PromptError/RetryableError.
+
+        No HTTP answer -> RetryableError (status None; its cause is `http1.ConnectFailed` when the
+        request was never sent); 200 with unreadable JSON -> RetryableError; 400/404/413/422 ->
+        PromptError; any other status -> RetryableError. An error answer's body (its JSON, or None) is
+        the exception's `body`."""
         try:
-            return await self.pool.post(url, payload)
+            status, content = await self.pool.post(url, orjson.dumps(body))
         except (ConnectionError, TimeoutError) as exc:
             raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
+        if status == 200:
+            try:
+                return orjson.loads(content)
+            except orjson.JSONDecodeError as exc:
+                raise RetryableError(f"unreadable reply: {content[:200]!r}", status_code=200) from exc
+        message = error_message(status, content)
+        if status in _PERMANENT:
+            raise PromptError(message, status_code=status, body=_json_or_none(content))
+        raise RetryableError(message, status_code=status, body=_json_or_none(content))
+
+    async def abort(self, rids: list[str], *, timeout_s: float = 2.0) -> int:
+        """Abort these requests in the server, as SGLang 0.5.23 takes it: `POST /abort_request {"rid":
+        rid}` (upstream `srt/entrypoints/http_server.py`; the scheduler drops the request whether it runs
+        or waits). A client that merely closes its connection is noticed by SGLang only at its next check
+        of a non-streaming request (~4 s later), so a cancel says so at once. Returns how many the server
+        answered 200; gives up on the rest after `timeout_s` (the caller has closed their connections
+        too, so the server aborts them anyway, later)."""
+        async def one(rid: str) -> bool:
+            try:
+                status, _ = await self.pool.post("/abort_request", orjson.dumps({"rid": rid}))
+            except (ConnectionError, TimeoutError):
+                return False
+            return status == 200
+
+        if not rids:
+            return 0
+        tasks = [asyncio.ensure_future(one(rid)) for rid in rids]
+        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for t in pending:
+            t.cancel()
+        return sum(1 for t in done if not t.cancelled() and t.exception() is None and t.result())
 
     async def get(self, path: str, *, timeout_s: float) -> tuple[int, bytes]:
-        """GET `path` -> (status, body). No HTTP answer within `timeout_s` of silence raises the pool's
-        error: a ConnectionError (`http1.ConnectFailed`, `ServerClosed`, `ReplyError`) or TimeoutError."""
+        """GET `path` -> (status, body). No HTTP answer within `timeout_s` of silence raises the
+        transport's error: a ConnectionError (`http1.ConnectFailed`, `ServerClosed`, `ReplyError`) or
+        TimeoutError."""
         return await self.pool.get(path, timeout_s=timeout_s)
 
     async def aclose(self) -> None:
@@ -77,49 +123,11 @@ class SGLangClient:
 
 
 def make_client(base_url: str, *, api_key: str = "", timeout_s: float, max_connections: int) -> SGLangClient:
-    """One shared client per server, for generations and the control plane alike."""
-    return SGLangClient(base_url, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections)
-
-
-async def complete(client: SGLangClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """POST one OpenAI-shaped request; return the reply or raise PromptError/RetryableError.
-
-    No HTTP answer -> RetryableError (status None); 200 with unreadable JSON -> RetryableError;
-    400/404/413/422 -> PromptError; any other status -> RetryableError. An error answer's body (its
-    JSON, or None) is the exception's `body`."""
-    status, content = await client.post_generation(url, orjson.dumps(body))
-    if status == 200:
-        try:
-            return orjson.loads(content)
-        except orjson.JSONDecodeError as exc:
-            raise RetryableError(f"unreadable reply: {content[:200]!r}", status_code=200) from exc
-    message = error_message(status, content)
-    if status in _PERMANENT:
-        raise PromptError(message, status_code=status, body=_json_or_none(content))
-    raise RetryableError(message, status_code=status, body=_json_or_none(content))
-
-
-async def abort_requests(client: SGLangClient, rids: list[str], *, timeout_s: float = 2.0) -> int:
-    """Abort these requests in the server, as SGLang 0.5.23 takes it: `POST /abort_request {"rid": rid}`
-    (upstream `srt/entrypoints/http_server.py`; the scheduler drops the request whether it runs or
-    waits). A client that merely closes its connection is noticed by SGLang only at its next check of
-    a non-streaming request (~4 s later), so a cancel says so at once. Returns how many the server
-    answered 200; gives up on the rest after `timeout_s` (the caller has closed their connections
-    too, so the server aborts them anyway, later)."""
-    async def one(rid: str) -> bool:
-        try:
-            status, _ = await client.pool.post("/abort_request", orjson.dumps({"rid": rid}))
-        except (ConnectionError, TimeoutError):
-            return False
-        return status == 200
-
-    if not rids:
-        return 0
-    tasks = [asyncio.ensure_future(one(rid)) for rid in rids]
-    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
-    for t in pending:
-        t.cancel()
-    return sum(1 for t in done if not t.cancelled() and t.exception() is None and t.result())
+    """One shared client per server, for generations and the control plane alike: requests reuse idle
+    connections for at most GENERATION_KEEPALIVE_S, a new connection must open within 10 s."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return SGLangClient(Http1Pool(base_url, max_connections=max_connections, timeout_s=timeout_s,
+                                  connect_timeout_s=10.0, idle_s=GENERATION_KEEPALIVE_S, headers=headers))
 
 
 def flag_value(flags: Sequence[str], *names: str) -> str | None:

@@ -14,7 +14,7 @@
    - a bare http1 loop, the same through `batchfleet.http1.Http1Pool` (a keep-alive pool on a bare
      asyncio protocol, replies parsed by httptools): the worker's HTTP client;
    - batchfleet's dispatcher: Redis claim/finish (batched Lua) + the worker's SGLang client
-     (`batchfleet.sglang.make_client` / `complete`, as the worker's keeper calls them), and the same
+     (`batchfleet.sglang.make_client` and its `complete`, as the worker's dispatcher calls them), and the same
      dispatcher with tuned aiohttp under `complete` instead (the other road, end to end).
    With --baseline-checkout DIR, also that checkout's own bare http1 loop and dispatcher (an older
    version, run with DIR's code in the same run).
@@ -62,9 +62,8 @@ sys.path.insert(0, str(ROOT))
 
 from batchfleet import sglang  # noqa: E402
 from batchfleet.config import EVENT_LOOPS, Config  # noqa: E402
-from batchfleet.errors import RetryableError  # noqa: E402
 from batchfleet.keys import Keys  # noqa: E402
-from bench.instant import instant_backend  # noqa: E402
+from bench.instant import InstantAnswers  # noqa: E402
 from bench.redisproc import PrivateRedis  # noqa: E402
 from producer.api import enqueue  # noqa: E402
 from producer.collect import collect_once  # noqa: E402
@@ -240,19 +239,23 @@ async def child_http1(server_url: str, n: int, concurrency: int) -> dict[str, fl
         await client.aclose()
 
 
-class AiohttpClient:
-    """`sglang.complete`'s client on tuned aiohttp: what the worker would run on the other road."""
+class AiohttpPool:
+    """The transport under the worker's SGLang client (`sglang.Transport`) on tuned aiohttp: what the
+    worker would run on the other road."""
 
     def __init__(self, server_url: str, connections: int) -> None:
         self.session, self._post = tuned_aiohttp(server_url, connections)
 
-    async def post_generation(self, url: str, payload: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, payload: bytes) -> tuple[int, bytes]:
         import aiohttp
 
         try:
-            return await self._post(url, payload)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
+            return await self._post(path, payload)
+        except aiohttp.ClientError as exc:
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def get(self, path: str, *, timeout_s: float) -> tuple[int, bytes]:
+        raise NotImplementedError
 
     async def aclose(self) -> None:
         await self.session.close()
@@ -263,29 +266,27 @@ async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurre
     config = Config(run=run, redis_url=redis_url, queues=("gpu0",))
     client = aioredis.from_url(redis_url)
     ledger = Ledger(client, Keys(run), worker="bench", lease_ttl_s=config.lease_ttl_s)
-    http: Any = (sglang.make_client(server_url, timeout_s=60.0, max_connections=concurrency + 4)
-                 if transport == "http1" else AiohttpClient(server_url, concurrency + 4))
-
-    async def backend(prompt: Any) -> dict[str, Any]:  # what the worker's ServerKeeper.generate does
-        return await sglang.complete(http, prompt.url, prompt.body)
-
+    http = (sglang.make_client(server_url, timeout_s=60.0, max_connections=concurrency + 4)
+            if transport == "http1" else sglang.SGLangClient(AiohttpPool(server_url, concurrency + 4)))
     steady = Steady(n)
-    d = Dispatcher(ledger, backend, config=config, worker="bench", queues=lambda: ["gpu0"], on_completion=steady.tick)
-    await d.set_capacity(concurrency)  # as the keeper does once its server is up (capacity + surplus)
+    # the worker's dispatcher, its server's client as the keeper opens it
+    d = Dispatcher(ledger, InstantAnswers(http), config=config, worker="bench", queues=lambda: ["gpu0"],
+                   clock=time.time, on_completion=steady.tick)
+    d.limit.set_capacity(concurrency)  # as the keeper does once its server is up (capacity + surplus)
     await client.ping()
-    await http.post_generation(URL_PATH, b"{}")  # the first connection before the clock starts
-    d.resume()
+    await http.pool.post(URL_PATH, b"{}")  # the first connection before the clock starts
+    d.gate.resume()
     flusher = asyncio.create_task(ledger.run_flusher())
     t0, c0 = time.perf_counter(), cpu_s()
     await d.run(burst=True)
-    await d.drain(10)
+    await d.takeback.drain(10)
     ledger.close()
     await flusher
     t1, c1 = time.perf_counter(), cpu_s()
     await client.aclose()
     await http.aclose()
-    assert d.done == n, (d.done, d.failed, n)
-    return {"n": n, "wall_s": t1 - t0, "cpu_s": c1 - c0, "surplus": d.surplus, **steady.out(t1, c1)}
+    assert d.tally.done == n, (d.tally.done, d.tally.failed, n)
+    return {"n": n, "wall_s": t1 - t0, "cpu_s": c1 - c0, "surplus": d.limit.surplus, **steady.out(t1, c1)}
 
 
 def child_main(argv: list[str]) -> None:
@@ -561,18 +562,19 @@ def paced_once(url: str, workdir: Path, args: argparse.Namespace, step_s: float)
 async def run_dispatcher_inprocess(url: str, config: Config, capacity: int) -> tuple[float, int]:
     client = aioredis.from_url(url)
     ledger = Ledger(client, Keys(config.run), worker="bench", lease_ttl_s=config.lease_ttl_s)
-    d = Dispatcher(ledger, instant_backend, config=config, worker="bench", queues=lambda: ["gpu0"])
-    await d.slots.resize(capacity)
-    d.resume()
+    d = Dispatcher(ledger, InstantAnswers(), config=config, worker="bench", queues=lambda: ["gpu0"], clock=time.time,
+                   on_completion=lambda tokens: None)
+    d.limit.set_capacity(capacity)
+    d.gate.resume()
     flusher = asyncio.create_task(ledger.run_flusher())
     t0 = time.perf_counter()
     await d.run(burst=True)
-    await d.drain(10)
+    await d.takeback.drain(10)
     elapsed = time.perf_counter() - t0
     ledger.close()
     await flusher
     await client.aclose()
-    return elapsed, d.done
+    return elapsed, d.tally.done
 
 
 def used(r: redis.Redis) -> int:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchfleet.config import Config
 from batchfleet.keys import Keys
 from bench.bench_enqueue import MIB, PeakRss, rq_enqueue_many, short_prompts, used
-from bench.instant import instant_backend
+from bench.instant import InstantAnswers
 from bench.redisproc import PrivateRedis
 from producer.store import Store
 from worker.dispatcher import Dispatcher
@@ -47,9 +47,10 @@ async def dispatch(url: str, config: Config, queues: list[str], capacity: int, s
     """Run the dispatcher until the store has a result for every prompt."""
     client = aioredis.from_url(url)
     ledger = Ledger(client, Keys(config.run), worker="bench", lease_ttl_s=config.lease_ttl_s)
-    d = Dispatcher(ledger, instant_backend, config=config, worker="bench", queues=lambda: queues)
-    await d.slots.resize(capacity)
-    d.resume()
+    d = Dispatcher(ledger, InstantAnswers(), config=config, worker="bench", queues=lambda: queues, clock=time.time,
+                   on_completion=lambda tokens: None)
+    d.limit.set_capacity(capacity)
+    d.gate.resume()
     flusher = asyncio.create_task(ledger.run_flusher())
     runner = asyncio.create_task(d.run())
     while True:
@@ -58,11 +59,11 @@ async def dispatch(url: str, config: Config, queues: list[str], capacity: int, s
             if store.counts()["pending"] == 0:
                 break
     runner.cancel()
-    await d.drain(10)
+    await d.takeback.drain(10)
     ledger.close()
     await flusher
     await client.aclose()
-    return d.done
+    return d.tally.done
 
 
 def main() -> None:

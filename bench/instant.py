@@ -1,6 +1,6 @@
 """Job functions, backends and an HTTP server that take no time: for measuring dispatch overhead alone.
 
-- `instant` / `instant_backend`: no HTTP at all (RQ's SimpleWorker job; the dispatcher's backend).
+- `instant` / `InstantAnswers`: no HTTP at all (RQ's SimpleWorker job; the dispatcher's server).
 - `post_instant`: an RQ job that POSTs its prompt to the instant server (`BENCH_INSTANT_URL`), over
   one keep-alive connection per process: the SimpleWorker baseline of the HTTP dispatch ceiling.
 - `python -m bench.instant --port P [--delay-s D --capacity C]`: an HTTP/1.1 keep-alive server that
@@ -41,9 +41,25 @@ def instant(prompt: dict[str, Any]) -> dict[str, Any]:
     return REPLY
 
 
-async def instant_backend(prompt: Any) -> dict[str, Any]:
-    """What batchfleet's dispatcher calls in place of a server: returns at once."""
-    return REPLY
+class InstantAnswers:
+    """The dispatcher's server (`worker.server_side.Server`) with no server behind it: every request is
+    answered at once, in process. `client`: what the dispatcher sends requests through (itself, or a
+    real `batchfleet.sglang.SGLangClient` to an HTTP server)."""
+
+    def __init__(self, client: Any = None) -> None:
+        self.client = client if client is not None else self
+
+    def serving(self) -> bool:
+        return True
+
+    async def probe(self) -> bool:
+        return True
+
+    async def complete(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        return REPLY
+
+    async def abort(self, rids: list[str]) -> int:
+        return 0
 
 
 _sync_client: Any = None

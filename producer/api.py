@@ -11,8 +11,8 @@ import redis
 
 from batchfleet.config import DEFAULT_QUEUE, Config
 from batchfleet.fleetview import read_fleet_view
+from batchfleet.jobs import job_id_for
 from batchfleet.keys import Keys
-from batchfleet.records import job_id_for
 
 from .enqueue import EmptyInput, EnqueueSummary, enqueue_file
 from .feed import FeedSummary, feed_pass

@@ -26,8 +26,9 @@ from typing import TextIO
 import orjson
 import redis
 
+from batchfleet.jobs import job_id_for
 from batchfleet.keys import Keys
-from batchfleet.records import RecordError, Result, job_id_for
+from batchfleet.records import RecordError, Result
 
 from .recover import _take_failed
 from .store import Store

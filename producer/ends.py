@@ -59,9 +59,10 @@ from batchfleet.config import Config
 from batchfleet.connection import redacted
 from batchfleet.errors import ErrorCode
 from batchfleet.fleetview import read_fleet_view
+from batchfleet.jobs import job_id_for, run_suffix
 from batchfleet.keys import DROP_TTL_S, RQ_JOB_PREFIX, RQ_QUEUES, RQ_WORKER_PREFIX, RQ_WORKERS, Keys, valid_queue_name
 from batchfleet.marker import FINISHED, read_marker
-from batchfleet.records import RecordError, job_id_for
+from batchfleet.records import RecordError
 from batchfleet.rqlayout import execution_job
 
 from .collect import collect_once
@@ -215,14 +216,9 @@ class PurgeSummary:
     workers: int = 0  # RQ's records of the run's dead workers deleted
 
 
-def _run_suffix(run: str) -> bytes:
-    """How the `data` of every job of `run` ends (feed writes the prompt's `run` last)."""
-    return b'"run":' + orjson.dumps(run) + b"}],{}]"
-
-
 def run_jobs(r: redis.Redis, run: str) -> dict[str, str]:
     """job id -> origin queue, of every RQ job of the run in Redis (SCAN over rq:job:*)."""
-    suffix = _run_suffix(run)
+    suffix = run_suffix(run)
     out: dict[str, str] = {}
     batch: list[bytes] = []
     for key in r.scan_iter(match=RQ_JOB_PREFIX + "*", count=PAGE):

@@ -30,9 +30,8 @@ import redis
 
 from batchfleet.config import Config
 from batchfleet.fleetview import read_fleet_view
-from batchfleet.jobs import GENERATE
+from batchfleet.jobs import job_data, job_id_for, prompt_wire
 from batchfleet.keys import RQ_QUEUES, Keys
-from batchfleet.records import job_id_for, prompt_wire
 
 from .scripts import FEED
 from .store import State, Store
@@ -145,8 +144,7 @@ class Feeder:
         for g in groups.values():
             for seq, cid, url, body, fp in g:
                 jobs.append(Keys.job(job_id_for(run, cid)))
-                prompt = prompt_wire(cid, seq, url, orjson.Fragment(body), fp=fp, run=run)
-                data.append(orjson.dumps([GENERATE, None, [prompt], {}]))
+                data.append(job_data(prompt_wire(cid, seq, url, orjson.Fragment(body), fp=fp, run=run)))
         added, present, *per_queue = FEED.call(
             self.r, keys={"done": k.done, "stats": k.stats, "queue_index": RQ_QUEUES,
                           "queues": [Keys.queue(q) for q in groups], "jobs": jobs},

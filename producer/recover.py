@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import redis
 
+from batchfleet.jobs import job_id_for
 from batchfleet.keys import Keys, valid_queue_name
-from batchfleet.records import job_id_for
 
 from .scripts import CHECK, TAKE_FAILED
 from .store import State, Store

@@ -8,24 +8,16 @@ The store holds the prompt, so the failed job in RQ's registry needs only what f
 
 from __future__ import annotations
 
-import orjson
 import redis
 
-from batchfleet.jobs import GENERATE
-from batchfleet.keys import TRIMMED, Keys
-from batchfleet.records import job_id_for
+from batchfleet.jobs import job_id_for, trimmed_data
+from batchfleet.keys import Keys
 
 from .scripts import TRIM
 
-__all__ = ["trim_failed", "trimmed_data"]
+__all__ = ["trim_failed"]
 
 PAGE = 1000  # jobs per Lua call
-
-
-def trimmed_data(run: str, cid: str, seq: int) -> bytes:
-    """A failed job's `data` once its result is collected: enough to feed the prompt again from the
-    store (`rq requeue`), not the prompt. Ends like every job of the run (see `_run_suffix`)."""
-    return orjson.dumps([GENERATE, None, [{"cid": cid, "seq": seq, TRIMMED: True, "run": run}], {}])
 
 
 def trim_failed(r: redis.Redis, keys: Keys, failed: list[tuple[str, int]]) -> int:

@@ -19,9 +19,10 @@ from pathlib import Path
 import orjson
 import pytest
 
+from batchfleet.jobs import job_id_for
 from batchfleet.keys import Keys
 from batchfleet.procs import pid_alive
-from batchfleet.records import WorkerState, job_id_for
+from batchfleet.records import WorkerState
 from batchfleet.rqlayout import execution_job
 
 from .fleet import BIN, Fleet, expected_text, text_of, write_prompts

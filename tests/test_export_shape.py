@@ -12,9 +12,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from batchfleet.jobs import parse_job_data
 from batchfleet.keys import Keys
 from batchfleet.records import Prompt, Result
-from worker.ledger import Ledger, parse_job_data
+from worker.ledger import Ledger
 
 from .test_producer_helpers import RUN, Cli, make_cli, simple, write_jsonl
 from .test_records import SERVER_400, openai_shaped

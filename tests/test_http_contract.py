@@ -153,7 +153,7 @@ def test_a_slow_reply_within_the_timeout_arrives_and_one_past_it_times_out_and_t
         try:
             assert (await short.pool.post("/_slow?s=0.5", b"{}"))[0] == 200
             with pytest.raises(RetryableError) as late:
-                await sglang.complete(short, "/_slow?s=30", {})
+                await short.complete("/_slow?s=30", {})
         finally:
             await short.aclose()
         assert late.value.status_code is None and isinstance(late.value.__cause__, TimeoutError)
@@ -166,7 +166,7 @@ def test_a_cancelled_request_closes_its_connection_and_the_server_sees_the_clien
     """How the dispatcher hands a prompt back: SGLang aborts a request whose client disconnected."""
 
     async def go(client: sglang.SGLangClient) -> None:
-        task = asyncio.create_task(sglang.complete(client, "/_slow?s=30", {}))
+        task = asyncio.create_task(client.complete("/_slow?s=30", {}))
         assert await observed(client, "started", 1) == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -179,7 +179,7 @@ def test_a_cancelled_request_closes_its_connection_and_the_server_sees_the_clien
 def test_a_reply_cut_by_a_reset_is_retryable_and_was_inside_the_server(server: Uvicorn) -> None:
     async def go(client: sglang.SGLangClient) -> None:
         with pytest.raises(RetryableError) as cut:
-            await sglang.complete(client, "/_reset", {})
+            await client.complete("/_reset", {})
         assert cut.value.status_code is None
         assert isinstance(cut.value.__cause__, http1.ServerClosed)  # not ConnectFailed: a death strikes it
         assert (await client.get("/health_generate", timeout_s=5)) == (200, b"")
@@ -189,16 +189,16 @@ def test_a_reply_cut_by_a_reset_is_retryable_and_was_inside_the_server(server: U
 
 def test_sglang_reply_shapes_read_by_complete(server: Uvicorn) -> None:
     async def go(client: sglang.SGLangClient) -> None:
-        gen = await sglang.complete(client, "/generate", {"text": "a b c", "sampling_params": {"max_new_tokens": 2}})
+        gen = await client.complete("/generate", {"text": "a b c", "sampling_params": {"max_new_tokens": 2}})
         assert gen["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
         assert gen["meta_info"]["completion_tokens"] == 2 and gen["output_ids"] == [7, 7]
-        batch = await sglang.complete(client, "/generate", {"text": ["a", "b c"], "sampling_params": {}})
+        batch = await client.complete("/generate", {"text": ["a", "b c"], "sampling_params": {}})
         assert [b["meta_info"]["prompt_tokens"] for b in batch] == [1, 2]
-        chat = await sglang.complete(client, "/v1/chat/completions",
+        chat = await client.complete("/v1/chat/completions",
                                      {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4})
         assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"] == "ok"
         assert chat["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
-        text = await sglang.complete(client, "/v1/completions", {"prompt": "one two three", "max_tokens": 3})
+        text = await client.complete("/v1/completions", {"prompt": "one two three", "max_tokens": 3})
         assert text["object"] == "text_completion" and text["usage"]["completion_tokens"] == 3
 
     run(server, go)
@@ -209,17 +209,17 @@ def test_sglang_error_shapes_become_prompt_errors_with_their_body_or_retryable_e
 
     async def go(client: sglang.SGLangClient) -> None:
         with pytest.raises(PromptError) as too_long:
-            await sglang.complete(client, "/v1/completions", {"prompt": long, "max_tokens": 3})
+            await client.complete("/v1/completions", {"prompt": long, "max_tokens": 3})
         message = "The input (100 tokens) is longer than the model's context length (64 tokens)."
         assert too_long.value.status_code == 400
         assert str(too_long.value) == f"HTTP 400: {message}"
         assert too_long.value.body == {"object": "error", "message": message, "type": "BadRequestError",
                                        "param": None, "code": 400}
         with pytest.raises(PromptError) as native:
-            await sglang.complete(client, "/generate", {"text": long})
+            await client.complete("/generate", {"text": long})
         assert native.value.body == {"error": {"message": message}}
         with pytest.raises(PromptError) as invalid:  # FastAPI's 422, turned into 400 as SGLang does
-            await sglang.complete(client, "/v1/chat/completions", {"max_tokens": 3})
+            await client.complete("/v1/chat/completions", {"max_tokens": 3})
         assert invalid.value.status_code == 400
         assert invalid.value.body["object"] == "error" and invalid.value.body["code"] == 400
         assert "messages" in invalid.value.body["message"]
@@ -227,7 +227,7 @@ def test_sglang_error_shapes_become_prompt_errors_with_their_body_or_retryable_e
         for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
                            ("/generate", {"text": "x"})):
             with pytest.raises(RetryableError) as full:
-                await sglang.complete(client, path, body)
+                await client.complete(path, body)
             assert full.value.status_code == 503
             assert str(full.value) == "HTTP 503: The request queue is full."
             assert full.value.body == {"object": "error", "message": "The request queue is full.", "type": "503",

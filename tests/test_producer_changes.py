@@ -15,10 +15,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from batchfleet.jobs import job_id_for, parse_job_data
 from batchfleet.keys import Keys
-from batchfleet.records import Prompt, Result, job_id_for
+from batchfleet.records import Prompt, Result
 from producer.store import FileFingerprint, Store, fingerprint
-from worker.ledger import Ledger, parse_job_data
+from worker.ledger import Ledger
 
 from .test_producer_helpers import RUN, Cli, job_prompt, make_cli, queued_ids, summary, write_jsonl
 

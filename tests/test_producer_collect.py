@@ -15,8 +15,9 @@ import pytest
 import redis
 
 from batchfleet.config import Config
+from batchfleet.jobs import job_id_for
 from batchfleet.keys import FAILURE_TTL_S, STATUS_TTL_S, Keys
-from batchfleet.records import Result, WorkerStatus, job_id_for
+from batchfleet.records import Result, WorkerStatus
 from producer.head import Head
 from producer.store import Store
 

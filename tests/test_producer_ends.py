@@ -10,10 +10,10 @@ import orjson
 import pytest
 import redis
 
+from batchfleet.jobs import trimmed_data
 from batchfleet.keys import STATUS_TTL_S, Keys
 from batchfleet.records import WorkerStatus
 from producer.ends import run_jobs
-from producer.trim import trimmed_data
 
 from .test_producer_helpers import RUN, Cli, make_cli, queued_ids, simple, work, write_jsonl
 

@@ -16,9 +16,9 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from batchfleet.jobs import GENERATE
+from batchfleet.jobs import GENERATE, job_id_for
 from batchfleet.keys import RQ_QUEUES, Keys
-from batchfleet.records import Prompt, job_id_for
+from batchfleet.records import Prompt
 from batchfleet.serializer import OrjsonSerializer
 from producer import parse as parse_module
 from producer.collect import collect_once

@@ -14,10 +14,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from batchfleet.jobs import parse_job_data
 from batchfleet.keys import Keys
 from batchfleet.records import Prompt, Result
 from producer.cli import main
-from worker.ledger import Ledger, parse_job_data
+from worker.ledger import Ledger
 
 RUN = "t"
 Cli = Callable[..., tuple[int, str, str]]

@@ -9,6 +9,7 @@ from dataclasses import replace
 import orjson
 import pytest
 
+from batchfleet.jobs import prompt_wire
 from batchfleet.records import (
     CapCause,
     Event,
@@ -64,11 +65,12 @@ def test_malformed_records_are_refused_with_a_reason(cls, raw, message):
 
 def test_prompt_from_dict_checks_types():
     p = Prompt(cid="a", seq=3, url="/v1/completions", body={"prompt": "x"}, src="f:1", run="r")
-    assert Prompt.from_dict(p.to_dict()) == p
+    wire = prompt_wire(p.cid, p.seq, p.url, p.body, src=p.src, run=p.run)  # as a job carries it
+    assert Prompt.from_dict(wire) == p
     with pytest.raises(RecordError):
-        Prompt.from_dict({**p.to_dict(), "body": "not an object"})
+        Prompt.from_dict({**wire, "body": "not an object"})
     with pytest.raises(RecordError):
-        Prompt.from_dict({**p.to_dict(), "seq": 1.5})
+        Prompt.from_dict({**wire, "seq": 1.5})
 
 
 def test_a_valid_spec_round_trips():

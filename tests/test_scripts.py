@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from batchfleet.acl import roles
 from batchfleet.config import Config
+from batchfleet.jobs import parse_job_data
 from batchfleet.keys import Keys
 from batchfleet.records import Prompt, Result
 from batchfleet.scripts import Script, ScriptCallError, declared
@@ -29,7 +30,7 @@ from producer.collect import collect_once
 from producer.ends import cancel, purge
 from producer.recover import audit, recover
 from producer.scripts import EXPIRE
-from worker.ledger import FINISH, Claim, Ledger, parse_job_data
+from worker.ledger import FINISH, Claim, Ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 USER = "script-under-test"

@@ -17,8 +17,9 @@ from batchapi.objects import BatchRecord, BatchStatus, FileRecord, new_batch_id,
 from batchapi.registry import Registry
 from batchapi.server import prepare_store
 from batchfleet.config import Config
+from batchfleet.jobs import job_id_for
 from batchfleet.keys import Keys
-from batchfleet.records import Result, job_id_for
+from batchfleet.records import Result
 from producer.collect import collect_once
 from producer.ends import cancel_prompts, cancelled_line
 from producer.export import write_export

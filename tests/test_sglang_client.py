@@ -193,7 +193,7 @@ def test_keep_alive_one_connection_for_sequential_requests_with_the_api_key() ->
         client = sglang.make_client(srv.url, api_key="sk-test", timeout_s=30, max_connections=8)
         try:
             for i in range(5):
-                assert await sglang.complete(client, "/ok", {"prompt": f"p{i}", "max_tokens": 1}) == \
+                assert await client.complete("/ok", {"prompt": f"p{i}", "max_tokens": 1}) == \
                     {"choices": [{"text": "ok", "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
         finally:
             await client.aclose()
@@ -212,7 +212,7 @@ def test_concurrent_requests_open_at_most_max_connections() -> None:
     async def go(srv: RawServer) -> None:
         client = sglang.make_client(srv.url, timeout_s=30, max_connections=3)
         try:
-            await asyncio.gather(*(sglang.complete(client, "/chunked", {"i": i}) for i in range(12)))
+            await asyncio.gather(*(client.complete("/chunked", {"i": i}) for i in range(12)))
         finally:
             await client.aclose()
         assert len(srv.requests) == 12
@@ -225,9 +225,9 @@ def test_chunked_and_read_until_close_replies() -> None:
     async def go(srv: RawServer) -> None:
         client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
         try:
-            assert (await sglang.complete(client, "/chunked", {}))["usage"] == {"completion_tokens": 1}
-            assert (await sglang.complete(client, "/until-close", {}))["choices"][0]["text"] == "ok"
-            assert (await sglang.complete(client, "/ok", {}))["choices"][0]["text"] == "ok"
+            assert (await client.complete("/chunked", {}))["usage"] == {"completion_tokens": 1}
+            assert (await client.complete("/until-close", {}))["choices"][0]["text"] == "ok"
+            assert (await client.complete("/ok", {}))["choices"][0]["text"] == "ok"
         finally:
             await client.aclose()
 
@@ -238,11 +238,11 @@ def test_a_connection_the_server_closed_is_not_reused() -> None:
     async def go(srv: RawServer) -> None:
         client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
         try:
-            await sglang.complete(client, "/ok-then-close", {})
+            await client.complete("/ok-then-close", {})
             for _ in range(50):  # let the client's loop see the close (no timing: it is the same loop)
                 await asyncio.sleep(0.01)
-            await sglang.complete(client, "/ok", {})
-            await sglang.complete(client, "/ok", {})
+            await client.complete("/ok", {})
+            await client.complete("/ok", {})
         finally:
             await client.aclose()
         assert [r[":conn"] for r in srv.requests] == ["1", "2", "2"]
@@ -255,18 +255,18 @@ def test_statuses_are_classified() -> None:
         client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
         try:
             with pytest.raises(PromptError) as bad:
-                await sglang.complete(client, "/bad", {})
+                await client.complete("/bad", {})
             assert bad.value.status_code == 400
             assert str(bad.value) == "HTTP 400: The input is longer than the context."
             with pytest.raises(RetryableError) as full:
-                await sglang.complete(client, "/full", {})
+                await client.complete("/full", {})
             assert full.value.status_code == 503
             assert str(full.value) == "HTTP 503: The request queue is full."
             with pytest.raises(RetryableError) as garbage:
-                await sglang.complete(client, "/garbage", {})
+                await client.complete("/garbage", {})
             assert garbage.value.status_code == 200
             # the connection survives every one of those answers
-            await sglang.complete(client, "/ok", {})
+            await client.complete("/ok", {})
         finally:
             await client.aclose()
         assert srv.connections == 1
@@ -279,10 +279,10 @@ def test_a_reply_cut_short_is_retryable_with_no_status() -> None:
         client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
         try:
             with pytest.raises(RetryableError) as cut:
-                await sglang.complete(client, "/half", {})
+                await client.complete("/half", {})
             assert cut.value.status_code is None
             assert not isinstance(cut.value.__cause__, http1.ConnectFailed)  # it was sent: a death strikes it
-            await sglang.complete(client, "/ok", {})
+            await client.complete("/ok", {})
         finally:
             await client.aclose()
 
@@ -294,7 +294,7 @@ def test_read_timeout_is_retryable_and_closes_the_connection() -> None:
         client = sglang.make_client(srv.url, timeout_s=0.5, max_connections=4)
         try:
             with pytest.raises(RetryableError) as slow:
-                await sglang.complete(client, "/hang", {})
+                await client.complete("/hang", {})
             assert slow.value.status_code is None
             assert not isinstance(slow.value.__cause__, http1.ConnectFailed)
             await asyncio.wait_for(srv.closed_by_client.wait(), 10)  # the server sees the client leave
@@ -311,7 +311,7 @@ def test_cancelling_a_request_closes_its_connection() -> None:
     async def go(srv: RawServer) -> None:
         client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
         try:
-            task = asyncio.create_task(sglang.complete(client, "/hang", {}))
+            task = asyncio.create_task(client.complete("/hang", {}))
             while not srv.requests:
                 await asyncio.sleep(0.01)
             task.cancel()
@@ -333,7 +333,7 @@ def test_connection_refused_is_retryable_and_known_as_never_sent() -> None:
             client = sglang.make_client(f"http://127.0.0.1:{port}", timeout_s=5, max_connections=4)
             try:
                 with pytest.raises(RetryableError) as refused:
-                    await sglang.complete(client, "/ok", {})
+                    await client.complete("/ok", {})
             finally:
                 await client.aclose()
             assert refused.value.status_code is None
@@ -346,7 +346,7 @@ def test_metrics_health_and_generations_go_through_one_client_on_one_connection(
     async def go(srv: RawServer) -> None:
         async with sglang.make_client(srv.url, api_key="k", timeout_s=30, max_connections=4) as client:
             assert await client.get("/metrics", timeout_s=5) == (200, b"sglang:num_running_reqs 3.0\n")
-            await sglang.complete(client, "/ok", {})
+            await client.complete("/ok", {})
             assert await client.get("/health_generate", timeout_s=5) == (200, b"")
         assert [(r[":method"], r[":path"], r[":conn"]) for r in srv.requests] == [
             ("GET", "/metrics", "1"), ("POST", "/ok", "1"), ("GET", "/health_generate", "1")]
@@ -369,7 +369,7 @@ def test_a_control_request_times_out_on_its_own_timeout_and_closes_its_connectio
 def test_a_health_check_does_not_wait_for_ever_behind_generations_that_hold_every_connection() -> None:
     async def go(srv: RawServer) -> None:
         async with sglang.make_client(srv.url, timeout_s=3600, max_connections=1) as client:
-            generation = asyncio.create_task(sglang.complete(client, "/hang", {}))
+            generation = asyncio.create_task(client.complete("/hang", {}))
             while not srv.requests:
                 await asyncio.sleep(0.01)
             with pytest.raises(http1.ConnectFailed, match=r"no connection free within 0\.3 s"):
@@ -490,8 +490,8 @@ def test_a_kept_connection_the_server_closes_as_the_request_arrives_is_retried_o
     async def go(srv: RawServer) -> None:
         client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
         try:
-            await sglang.complete(client, "/ok", {})
-            assert (await sglang.complete(client, "/drop-if-reused", {}))["choices"][0]["text"] == "ok"
+            await client.complete("/ok", {})
+            assert (await client.complete("/drop-if-reused", {}))["choices"][0]["text"] == "ok"
         finally:
             await client.aclose()
         # connection 1 served /ok, then took the next request and closed; it went again on connection 2
@@ -508,9 +508,9 @@ def test_a_kept_connection_closed_by_a_server_that_is_then_gone_may_have_held_th
     async def go(srv: RawServer) -> None:
         client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
         try:
-            await sglang.complete(client, "/ok", {})
+            await client.complete("/ok", {})
             with pytest.raises(RetryableError) as gone:
-                await sglang.complete(client, "/drop-if-reused-and-stop", {})
+                await client.complete("/drop-if-reused-and-stop", {})
         finally:
             await client.aclose()
         assert gone.value.status_code is None
@@ -601,14 +601,14 @@ def test_an_error_answer_keeps_the_servers_json_body() -> None:
         client = sglang.make_client(srv.url, timeout_s=30, max_connections=4)
         try:
             with pytest.raises(PromptError) as bad:
-                await sglang.complete(client, "/bad", {})
+                await client.complete("/bad", {})
             assert bad.value.body == {"object": "error", "message": "The input is longer than the context.",
                                       "code": 400}
             with pytest.raises(RetryableError) as full:
-                await sglang.complete(client, "/full", {})
+                await client.complete("/full", {})
             assert full.value.body == {"error": {"message": "The request queue is full."}}
             with pytest.raises(RetryableError) as garbage:
-                await sglang.complete(client, "/garbage", {})
+                await client.complete("/garbage", {})
             assert garbage.value.body is None  # not JSON: the message holds its text
         finally:
             await client.aclose()

@@ -18,6 +18,8 @@ from worker.facts import read_facts
 from worker.server import _LogPump
 from worker.startfail import fatal_line, port_holder, start_failure_reason
 
+from .fakeserver import FakeServer
+
 
 # --- the breaker --------------------------------------------------------------------------------------
 def test_many_different_prompts_failing_with_nothing_succeeding_open_the_breaker() -> None:
@@ -128,14 +130,15 @@ def test_a_full_disk_never_stops_the_worker_draining_the_servers_output(caplog: 
 
 
 # --- the dispatcher's hook, against a real Redis ------------------------------------------------------------
-class SickAfter:
-    """A backend whose server answers HTTP 500 to everything after `ok` requests (and whose probe says
-    so), or to one poison prompt only."""
+class SickAfter(FakeServer):
+    """A server that answers HTTP 500 to everything after `ok` requests (and whose probe says so), or to
+    one poison prompt only (by its text)."""
 
     def __init__(self, ok: int = 10**9, poison: str | None = None) -> None:
+        super().__init__(self._answer)
         self.ok, self.poison, self.calls = ok, poison, 0
 
-    async def __call__(self, prompt):
+    async def _answer(self, body: dict) -> dict:
         import asyncio
 
         from batchfleet.errors import RetryableError
@@ -143,7 +146,7 @@ class SickAfter:
         self.calls += 1
         n = self.calls
         await asyncio.sleep(0.005)
-        if n > self.ok or prompt.cid == self.poison:
+        if n > self.ok or body["prompt"] == self.poison:
             raise RetryableError("HTTP 500: Internal Server Error", status_code=500)
         return {"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}}
 
@@ -151,8 +154,9 @@ class SickAfter:
         return self.calls <= self.ok
 
 
-def drive(redis_url: str, backend: SickAfter, *, until, capacity: int = 8, **config):
-    """Run a dispatcher over queue gpu0 until `until(dispatcher)` (polled) or 30 s; return it."""
+def drive(redis_url: str, server: SickAfter, *, until, capacity: int = 8, **config):
+    """Run a dispatcher over queue gpu0 until `until(dispatcher)` (polled) or 30 s; return it. Retries
+    wait a millisecond (`backoff_base_s`)."""
     import asyncio
 
     import redis.asyncio as aioredis
@@ -162,18 +166,13 @@ def drive(redis_url: str, backend: SickAfter, *, until, capacity: int = 8, **con
     from worker.dispatcher import Dispatcher
     from worker.ledger import Ledger
 
+    from .fakeserver import dispatcher
+
     async def go() -> Dispatcher:
         client = aioredis.from_url(redis_url)
         ledger = Ledger(client, Keys("t"), worker="w", lease_ttl_s=15)
-        d = Dispatcher(ledger, backend, config=Config(run="t", **config), worker="w", queues=lambda: ["gpu0"],
-                       probe=backend.probe)
-
-        async def no_sleep(_: float) -> None:
-            await asyncio.sleep(0)
-
-        d.retry_sleep = no_sleep
-        await d.slots.resize(capacity)
-        d.resume()
+        d = dispatcher(ledger, server, Config(run="t", surplus=0, backoff_base_s=0.001, backoff_max_s=0.001,
+                                              **config), capacity=capacity)
         flusher = asyncio.create_task(ledger.run_flusher())
         claiming = asyncio.create_task(d.run(burst=True))
         deadline = time.monotonic() + 30
@@ -181,7 +180,7 @@ def drive(redis_url: str, backend: SickAfter, *, until, capacity: int = 8, **con
             await asyncio.sleep(0.02)
         claiming.cancel()
         await asyncio.wait({claiming})
-        await d.drain(5)
+        await d.takeback.drain(5)
         ledger.close()
         await flusher
         await client.aclose()
@@ -197,8 +196,8 @@ def test_a_server_failing_everything_fails_no_prompt_and_takes_no_more_work(r, r
 
     enqueue(r, 100)
     backend = SickAfter(ok=20)
-    d = drive(redis_url, backend, until=lambda d: d.breaker.open and not d.tasks, capacity=8, max_attempts=2)
-    assert d.breaker.open and d.failed == 0 and d.done == 20
+    d = drive(redis_url, backend, until=lambda d: d.judge.breaker.open and not d.in_flight, capacity=8, max_attempts=2)
+    assert d.judge.breaker.open and d.tally.failed == 0 and d.tally.done == 20
     got = results(r)
     assert len(got) == 20 and all(x.ok for x in got.values())
     assert Queue("gpu0", connection=r).count == 80  # every other prompt is back in its queue, untouched
@@ -212,8 +211,8 @@ def test_a_prompt_failing_alone_on_a_server_that_generates_still_fails_after_its
     from .test_worker_dispatch import enqueue, results
 
     enqueue(r, 30)
-    backend = SickAfter(poison="c7")
-    d = drive(redis_url, backend, until=lambda d: d.done + d.failed == 30, capacity=4, max_attempts=3)
+    backend = SickAfter(poison="p7")
+    d = drive(redis_url, backend, until=lambda d: d.tally.done + d.tally.failed == 30, capacity=4, max_attempts=3)
     got = results(r)
-    assert len(got) == 30 and d.failed == 1 and not got["c7"].ok and got["c7"].attempts == 3
-    assert got["c7"].error["code"] == "retries_exhausted" and not d.breaker.open
+    assert len(got) == 30 and d.tally.failed == 1 and not got["c7"].ok and got["c7"].attempts == 3
+    assert got["c7"].error["code"] == "retries_exhausted" and not d.judge.breaker.open

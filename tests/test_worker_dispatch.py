@@ -1,9 +1,10 @@
-"""The dispatcher against a real Redis and an in-process backend: exact concurrency, retries,
-permanent failures, refused jobs."""
+"""The dispatcher against a real Redis and an in-process server (`tests.fakeserver`): exact
+concurrency, retries, permanent failures, refused jobs, server deaths, drains."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import redis.asyncio as aioredis
 from rq import Queue
@@ -11,11 +12,14 @@ from rq.registry import FailedJobRegistry
 
 from batchfleet.config import Config
 from batchfleet.errors import PromptError, RetryableError
+from batchfleet.jobs import job_id_for
 from batchfleet.keys import Keys
-from batchfleet.records import Prompt, Result, job_id_for
+from batchfleet.records import Result
 from batchfleet.serializer import OrjsonSerializer
 from worker.dispatcher import Dispatcher
 from worker.ledger import Ledger
+
+from .fakeserver import FakeServer, dispatcher
 
 
 def enqueue(r, n: int, func: str = "batchfleet.jobs.generate", queue: str = "gpu0", run: str = "t",
@@ -29,7 +33,8 @@ def enqueue(r, n: int, func: str = "batchfleet.jobs.generate", queue: str = "gpu
 
 
 class Backend:
-    """Counts concurrency; fails some prompts on purpose."""
+    """What the server answers, per prompt text (`p<i>` is the prompt of custom_id `c<i>`): counts
+    concurrency, records when each request came, and fails some prompts on purpose."""
 
     def __init__(self, delay_s: float = 0.01, transient: dict[str, int] | None = None,
                  permanent: set[str] | None = None) -> None:
@@ -39,20 +44,23 @@ class Backend:
         self.running = 0
         self.peak = 0
         self.calls: list[str] = []
+        self.times: dict[str, list[float]] = {}
 
-    async def __call__(self, prompt: Prompt) -> dict:
-        self.calls.append(prompt.cid)
+    async def __call__(self, body: dict) -> dict:
+        prompt = body["prompt"]
+        self.calls.append(prompt)
+        self.times.setdefault(prompt, []).append(time.monotonic())
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
             await asyncio.sleep(self.delay_s)
-            if self.transient.get(prompt.cid, 0) > 0:
-                self.transient[prompt.cid] -= 1
+            if self.transient.get(prompt, 0) > 0:
+                self.transient[prompt] -= 1
                 raise RetryableError("HTTP 503: The request queue is full.", status_code=503)
-            if prompt.cid in self.permanent:
+            if prompt in self.permanent:
                 raise PromptError("HTTP 400: The input (9000 tokens) is longer than the model's context length "
                                   "(4096 tokens).", status_code=400)
-            return {"choices": [{"text": prompt.body["prompt"].upper()}], "usage": {"completion_tokens": 3}}
+            return {"choices": [{"text": prompt.upper()}], "usage": {"completion_tokens": 3}}
         finally:
             self.running -= 1
 
@@ -61,19 +69,10 @@ def run_burst(redis_url: str, backend: Backend, capacity: int, **config) -> Disp
     async def go() -> Dispatcher:
         client = aioredis.from_url(redis_url)
         ledger = Ledger(client, Keys("t"), worker="w", lease_ttl_s=15)
-        d = Dispatcher(ledger, backend, config=Config(run="t", **config), worker="w", queues=lambda: ["gpu0"])
-        sleeps: list[float] = []
-
-        async def no_sleep(s: float) -> None:
-            sleeps.append(s)
-
-        d.retry_sleep = no_sleep
-        d.sleeps = sleeps  # type: ignore[attr-defined]
-        await d.slots.resize(capacity)
-        d.resume()
+        d = dispatcher(ledger, FakeServer(backend), Config(run="t", surplus=0, **config), capacity=capacity)
         flusher = asyncio.create_task(ledger.run_flusher())
         await d.run(burst=True)
-        await d.drain(5)
+        await d.takeback.drain(5)
         ledger.close()
         await flusher
         await client.aclose()
@@ -91,7 +90,7 @@ def test_exactly_capacity_in_flight(r, redis_url):
     backend = Backend(delay_s=0.02)
     d = run_burst(redis_url, backend, capacity=13)
     assert backend.peak == 13
-    assert d.done == 200
+    assert d.tally.done == 200
     got = results(r)
     assert len(got) == 200 and got["c5"].body["choices"][0]["text"] == "P5"
     assert Queue("gpu0", connection=r).count == 0
@@ -99,23 +98,25 @@ def test_exactly_capacity_in_flight(r, redis_url):
 
 def test_transient_errors_retry_with_backoff_then_succeed_or_fail(r, redis_url):
     enqueue(r, 3)
-    backend = Backend(transient={"c0": 2, "c1": 99})
-    d = run_burst(redis_url, backend, capacity=2, max_attempts=4, backoff_base_s=0.5, backoff_max_s=1.0)
+    backend = Backend(transient={"p0": 2, "p1": 99})
+    run_burst(redis_url, backend, capacity=2, max_attempts=4, backoff_base_s=0.2, backoff_max_s=0.4)
     got = results(r)
     assert got["c0"].ok and got["c0"].attempts == 3
     assert not got["c1"].ok and got["c1"].error["code"] == "retries_exhausted" and got["c1"].attempts == 4
     assert got["c2"].ok and got["c2"].attempts == 1
-    assert backend.calls.count("c1") == 4
-    # capped exponential backoff with jitter: 0.25-0.5, 0.5-1.0, then capped at 1.0
-    assert all(0.25 <= s <= 1.0 for s in d.sleeps) and len(d.sleeps) == 2 + 3
+    assert backend.calls.count("p1") == 4
+    # capped exponential backoff with jitter between attempts: 0.1-0.2, 0.2-0.4, then capped at 0.4 (the
+    # server's own answer takes delay_s); the waits are seen from the server, as the gaps between requests
+    gaps = [b - a - backend.delay_s for a, b in zip(backend.times["p1"], backend.times["p1"][1:], strict=False)]
+    assert len(gaps) == 3 and gaps[0] >= 0.1 - 0.01 and gaps[1] >= 0.2 - 0.01 and gaps[2] >= 0.2 - 0.01
 
 
 def test_permanent_error_fails_once_with_the_servers_reason(r, redis_url):
     ids = enqueue(r, 3)
-    backend = Backend(permanent={"c1"})
+    backend = Backend(permanent={"p1"})
     run_burst(redis_url, backend, capacity=3)
     got = results(r)
-    assert backend.calls.count("c1") == 1
+    assert backend.calls.count("p1") == 1
     assert got["c1"].error == {"code": "invalid_prompt", "message": "HTTP 400: The input (9000 tokens) is longer "
                                "than the model's context length (4096 tokens)."}
     assert got["c1"].status_code == 400
@@ -127,7 +128,7 @@ def test_job_naming_another_function_is_refused_and_never_run(r, redis_url):
     enqueue(r, 1)
     backend = Backend()
     run_burst(redis_url, backend, capacity=2)
-    assert backend.calls == ["c0"]  # only the allowed job reached the backend
+    assert backend.calls == ["p0"]  # only the allowed job reached the server
     assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [bad]
     # Refused: RQ's failed registry says why; no result, so it never becomes an export line.
     exc_info = r.hget(Keys.job(bad), "exc_info").decode()
@@ -144,7 +145,7 @@ def test_a_job_of_another_run_is_refused_loudly_not_misfiled(r, redis_url):
                      job_id=job_id_for("t", "y"))
     backend = Backend()
     run_burst(redis_url, backend, capacity=2)
-    assert backend.calls == ["y"]
+    assert backend.calls == ["p"]
     assert FailedJobRegistry("gpu0", connection=r).get_job_ids() == [other]
     assert not r.exists(f"rq:job:{mine.id}")
     assert "run 'someone-else'" in r.hget(Keys.job(other), "exc_info").decode()
@@ -163,11 +164,11 @@ def test_a_server_death_strikes_only_the_prompts_inside_it(r, redis_url):
         def __init__(self) -> None:
             self.started: set[str] = set()
 
-        async def __call__(self, prompt: Prompt) -> dict:
-            self.started.add(prompt.cid)
-            if prompt.cid == "c2":
+        async def __call__(self, body: dict) -> dict:
+            self.started.add(body["prompt"])
+            if body["prompt"] == "p2":
                 raise RetryableError("HTTP 503: The request queue is full.", status_code=503)
-            if prompt.cid == "c3":
+            if body["prompt"] == "p3":
                 try:
                     raise ConnectFailed("cannot connect to 127.0.0.1:9: connection refused")
                 except ConnectFailed as exc:
@@ -179,19 +180,13 @@ def test_a_server_death_strikes_only_the_prompts_inside_it(r, redis_url):
         client = aioredis.from_url(redis_url)
         ledger = Ledger(client, k, worker="w", lease_ttl_s=15)
         backend = Dying()
-        d = Dispatcher(ledger, backend, config=Config(run="t"), worker="w", queues=lambda: ["gpu0"])
-
-        async def parked(_s: float) -> None:
-            await asyncio.Event().wait()
-
-        d.retry_sleep = parked
-        await d.slots.resize(4)
-        d.resume()
+        # c2 waits to retry for as long as the test lasts
+        d = dispatcher(ledger, FakeServer(backend), Config(run="t", surplus=0, backoff_base_s=3600, backoff_max_s=3600),
+                       capacity=4)
         claiming = asyncio.create_task(d.run())
-        while len(backend.started) < 4:
+        while len(backend.started) < 4 or d.limit.slots.in_use > 2:  # c2 and c3 gave their slots back
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        outcome = await d.server_lost(reason="gpu0: server exited with status 1", log_tail="CUDA error")
+        outcome = await d.takeback.server_lost(reason="gpu0: server exited with status 1", log_tail="CUDA error")
         claiming.cancel()
         await asyncio.gather(claiming, return_exceptions=True)
         await client.aclose()
@@ -200,7 +195,7 @@ def test_a_server_death_strikes_only_the_prompts_inside_it(r, redis_url):
     d, outcome = asyncio.run(go())
     ids = {f"c{i}": job_id_for("t", f"c{i}") for i in range(4)}
     assert (outcome.struck, outcome.handed_back, outcome.quarantined) == (2, 2, [])
-    assert (d.struck, d.handed_back, d.in_flight) == (2, 2, 0)
+    assert (d.tally.struck, d.tally.handed_back, d.in_flight) == (2, 2, 0)
     assert sorted(r.lrange(k.suspects, 0, -1)) == sorted([ids["c0"].encode(), ids["c1"].encode()])
     assert sorted(r.lrange("rq:queue:gpu0", 0, -1)) == sorted([ids["c2"].encode(), ids["c3"].encode()])
     assert {f.decode(): int(v) for f, v in r.hgetall(k.strikes).items()} == {ids["c0"]: 1, ids["c1"]: 1}
@@ -211,10 +206,10 @@ def test_a_failure_message_quoting_a_secret_is_scrubbed_in_the_result_and_the_fa
     enqueue(r, 2)
 
     class Leaky(Backend):
-        async def __call__(self, prompt: Prompt) -> dict:
-            if prompt.cid == "c1":
+        async def __call__(self, body: dict) -> dict:
+            if body["prompt"] == "p1":
                 raise PromptError("HTTP 400: bad header Authorization: Bearer sk-leaky-key-123", status_code=400)
-            return await super().__call__(prompt)
+            return await super().__call__(body)
 
     run_burst(redis_url, Leaky(), capacity=2, server_api_key="sk-leaky-key-123")
     got = results(r)
@@ -236,8 +231,8 @@ def test_a_server_death_collects_a_prompt_whose_cancellation_was_swallowed(r, re
             self.started: set[str] = set()
             self.swallowed = 0
 
-        async def __call__(self, prompt: Prompt) -> dict:
-            self.started.add(prompt.cid)
+        async def __call__(self, body: dict) -> dict:
+            self.started.add(body["prompt"])
             try:
                 await asyncio.Event().wait()  # inside the server
             except asyncio.CancelledError:
@@ -249,15 +244,13 @@ def test_a_server_death_collects_a_prompt_whose_cancellation_was_swallowed(r, re
         client = aioredis.from_url(redis_url)
         ledger = Ledger(client, k, worker="w", lease_ttl_s=15)
         backend = Stubborn()
-        up = False
-        d = Dispatcher(ledger, backend, config=Config(run="t"), worker="w", queues=lambda: ["gpu0"],
-                       server_ok=lambda: up)
-        await d.slots.resize(2)
-        d.resume()
+        server = FakeServer(backend)
+        d = dispatcher(ledger, server, Config(run="t", surplus=0), capacity=2)
         claiming = asyncio.create_task(d.run())
         while len(backend.started) < 2:
             await asyncio.sleep(0.01)
-        outcome = await asyncio.wait_for(d.server_lost(reason="gpu0: hung; killed", log_tail=""), 20)
+        server.up = False  # hung: the keeper kills it, then collects
+        outcome = await asyncio.wait_for(d.takeback.server_lost(reason="gpu0: hung; killed", log_tail=""), 20)
         claiming.cancel()
         await asyncio.gather(claiming, return_exceptions=True)
         await client.aclose()
@@ -282,7 +275,7 @@ def test_a_drain_waits_for_a_slow_hand_back_and_counts_it(r, redis_url, caplog):
         def __init__(self) -> None:
             self.started = 0
 
-        async def __call__(self, prompt: Prompt) -> dict:
+        async def __call__(self, body: dict) -> dict:
             self.started += 1
             await asyncio.Event().wait()
             raise AssertionError("unreachable")
@@ -298,13 +291,11 @@ def test_a_drain_waits_for_a_slow_hand_back_and_counts_it(r, redis_url, caplog):
 
         ledger.hand_back = slow_hand_back  # type: ignore[method-assign]
         backend = Forever()
-        d = Dispatcher(ledger, backend, config=Config(run="t"), worker="w", queues=lambda: ["gpu0"])
-        await d.slots.resize(3)
-        d.resume()
+        d = dispatcher(ledger, FakeServer(backend), Config(run="t", surplus=0), capacity=3)
         claiming = asyncio.create_task(d.run())
         while backend.started < 3:
             await asyncio.sleep(0.01)
-        handed = await asyncio.wait_for(d.drain(0.1), 30)
+        handed = await asyncio.wait_for(d.takeback.drain(0.1), 30)
         queued_at_return = r.llen("rq:queue:gpu0")
         claiming.cancel()
         await asyncio.gather(claiming, return_exceptions=True)
@@ -313,7 +304,7 @@ def test_a_drain_waits_for_a_slow_hand_back_and_counts_it(r, redis_url, caplog):
 
     with caplog.at_level("WARNING", logger="batchfleet.worker.dispatcher"):
         d, handed, queued_at_return = asyncio.run(go())
-    assert handed == 3 and d.handed_back == 3
+    assert handed == 3 and d.tally.handed_back == 3
     assert queued_at_return == 3  # every hand back was written before the drain returned
     assert sorted(x.decode() for x in r.lrange("rq:queue:gpu0", 0, -1)) == sorted(jids)
     assert r.zcard(k.leases) == 0
@@ -323,12 +314,12 @@ def test_a_drain_waits_for_a_slow_hand_back_and_counts_it(r, redis_url, caplog):
 class AnsweringBackend(Backend):
     """Fails c1 as a server does, with its JSON error body (400), and c2 with 503 until retries run out."""
 
-    async def __call__(self, prompt: Prompt) -> dict:
-        if prompt.cid == "c1":
+    async def __call__(self, body: dict) -> dict:
+        if body["prompt"] == "p1":
             raise PromptError("HTTP 400: too long", status_code=400, body={"object": "error", "message": "too long"})
-        if prompt.cid == "c2":
+        if body["prompt"] == "p2":
             raise RetryableError("HTTP 503: full", status_code=503, body={"error": {"message": "full"}})
-        return await super().__call__(prompt)
+        return await super().__call__(body)
 
 
 def test_a_failed_prompts_result_keeps_the_servers_error_body_and_echoes_the_prompts_fingerprint(r, redis_url):
@@ -359,12 +350,12 @@ def test_a_resume_while_a_drain_is_under_way_claims_nothing_until_the_drain_is_o
         finish = asyncio.Event()
         started: list[str] = []
 
-        async def backend(prompt: Prompt) -> dict:
-            started.append(prompt.cid)
+        async def backend(body: dict) -> dict:
+            started.append(body["prompt"])
             await finish.wait()
             return {"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}}
 
-        d = Dispatcher(ledger, backend, config=Config(run="t"), worker="w", queues=lambda: ["gpu0"])
+        d = dispatcher(ledger, FakeServer(backend), Config(run="t", surplus=0))
         claimed: list[int] = []
         real_claim = ledger.claim
 
@@ -374,7 +365,7 @@ def test_a_resume_while_a_drain_is_under_way_claims_nothing_until_the_drain_is_o
 
         ledger.claim = claim  # type: ignore[method-assign]
         freed = asyncio.Event()  # the claim loop got a free slot after the in-flight prompts finished
-        real_acquire = d.slots.acquire_up_to
+        real_acquire = d.limit.slots.acquire_up_to
 
         async def acquire_up_to(n: int) -> int:
             took = await real_acquire(n)
@@ -382,32 +373,32 @@ def test_a_resume_while_a_drain_is_under_way_claims_nothing_until_the_drain_is_o
                 freed.set()
             return took
 
-        d.slots.acquire_up_to = acquire_up_to  # type: ignore[method-assign]
-        await d.slots.resize(2)
-        d.resume()
+        d.limit.slots.acquire_up_to = acquire_up_to  # type: ignore[method-assign]
+        d.limit.set_capacity(2)
+        d.gate.resume()
         flusher = asyncio.create_task(ledger.run_flusher())
         claiming = asyncio.create_task(d.run())
         while len(started) < 2:
             await asyncio.sleep(0.01)
         claims_before = len(claimed)
-        draining = asyncio.create_task(d.drain(30))
+        draining = asyncio.create_task(d.takeback.drain(30))
         await asyncio.sleep(0)  # the drain has begun: it waits for the two in flight
-        d.resume()  # the keeper's server start, finishing
+        d.gate.resume()  # the keeper's server start, finishing
         finish.set()
         await freed.wait()  # the claim loop has had its free slots (and, if it claims, has asked Redis)
         during = claimed[claims_before:]
         handed = await draining
         started_by_the_drains_end = list(started)
-        d.pause()
+        d.gate.pause()
         while not claiming.done():  # redis-py may swallow a cancel that lands inside a claim
             claiming.cancel()
             await asyncio.wait({claiming}, timeout=1)
-        await d.drain(5)
+        await d.takeback.drain(5)
         ledger.close()
         await flusher
         await client.aclose()
         return during, started_by_the_drains_end, handed, d
 
     during, started, handed, d = asyncio.run(asyncio.wait_for(go(), 60))
-    assert during == [] and started == ["c0", "c1"]
-    assert handed == 0 and d.done >= 2
+    assert during == [] and started == ["p0", "p1"]
+    assert handed == 0 and d.tally.done >= 2

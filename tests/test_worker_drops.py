@@ -59,7 +59,7 @@ def test_a_worker_that_missed_the_signal_drops_at_its_lease_beat_without_calling
             return None
 
         watch = DropWatch(ledger.r, k, held=lambda: list(ledger.held), drop=drop, on_check=nothing)
-        keeper = LeaseKeeper(ledger, on_lost=lost.extend, before=watch.check)
+        keeper = LeaseKeeper(ledger, on_lost=lost.extend, check_drops=watch.check)
         await keeper.beat()
         return dropped, lost, len(ledger.held)
 

@@ -1,6 +1,6 @@
 """The surplus a worker keeps waiting inside its server (issue 11 §4): sized from turnover, on top of
 the capacity, never when the configuration caps below the server, and handed back untouched on a
-drain. Real Redis; the server is an in-process backend with a capacity and a FIFO queue."""
+drain. Real Redis; the server is an in-process one with a capacity and a FIFO queue."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import redis.asyncio as aioredis
 from rq import Queue
 
 from batchfleet.config import Config
+from batchfleet.jobs import job_id_for
 from batchfleet.keys import Keys
-from batchfleet.records import Prompt, job_id_for
 from worker.dispatcher import Dispatcher
 from worker.ledger import Ledger
 from worker.slots import Slots, Turnover, surplus_cap
 
+from .fakeserver import FakeServer, dispatcher
 from .test_worker_dispatch import enqueue, results
 
 
@@ -69,11 +70,13 @@ def test_surplus_cap() -> None:
     assert surplus_cap(12, 5) == 5 and surplus_cap(4, 9) == 4 and surplus_cap(12, 0) == 0
 
 
-class QueueingServer:
+class QueueingServer(FakeServer):
     """Runs at most `cap` prompts at once; the rest wait in its FIFO queue. A running prompt finishes
-    when `finish` is set; a waiting one that is cancelled (its client left) never runs."""
+    when `finish` is set; a waiting one that is cancelled (its client left) never runs. It names each
+    prompt by its custom_id (`enqueue` gives c<i> the prompt p<i>)."""
 
     def __init__(self, cap: int) -> None:
+        super().__init__(self._answer)
         self.cap = cap
         self.sem = asyncio.Semaphore(cap)
         self.finish = asyncio.Event()
@@ -82,20 +85,21 @@ class QueueingServer:
         self.peak_in = 0
         self.inside = 0
 
-    async def __call__(self, prompt: Prompt) -> dict:
+    async def _answer(self, body: dict) -> dict:
+        cid = "c" + body["prompt"][1:]
         self.inside += 1
         self.peak_in = max(self.peak_in, self.inside)
-        self.waiting.append(prompt.cid)
+        self.waiting.append(cid)
         try:
             async with self.sem:
-                self.waiting.remove(prompt.cid)
-                self.ran.append(prompt.cid)
+                self.waiting.remove(cid)
+                self.ran.append(cid)
                 await self.finish.wait()
                 return {"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}}
         finally:
             self.inside -= 1
-            if prompt.cid in self.waiting:
-                self.waiting.remove(prompt.cid)
+            if cid in self.waiting:
+                self.waiting.remove(cid)
 
 
 def test_a_drain_hands_the_surplus_back_untouched_and_lets_the_running_finish(r, redis_url) -> None:
@@ -106,31 +110,32 @@ def test_a_drain_hands_the_surplus_back_untouched_and_lets_the_running_finish(r,
         client = aioredis.from_url(redis_url)
         ledger = Ledger(client, k, worker="w", lease_ttl_s=15)
         server = QueueingServer(cap=4)
-        d = Dispatcher(ledger, server, config=Config(run="t", surplus=2), worker="w", queues=lambda: ["gpu0"])
-        await d.set_capacity(4)
-        assert (d.capacity, d.surplus, d.slots.capacity) == (4, 2, 6)
+        d = dispatcher(ledger, server, Config(run="t", surplus=2))
+        d.limit.set_capacity(4)
+        assert (d.limit.capacity, d.limit.surplus, d.limit.slots.capacity) == (4, 2, 6)
         # The claim loop asks for a slot when none is free: it has taken all the slots it may (4 more
         # prompts wait in the queue), and once every prompt it took is inside the server, the server
         # holds all the loop will send it.
         parked = asyncio.Event()
-        real_acquire = d.slots.acquire_up_to
+        slots = d.limit.slots
+        real_wait = slots.wait_one_free
 
-        async def acquire_up_to(n: int) -> int:
-            if d.slots.free == 0:
+        async def wait_one_free() -> None:
+            if slots.free == 0:
                 parked.set()
-            return await real_acquire(n)
+            await real_wait()
 
-        d.slots.acquire_up_to = acquire_up_to  # type: ignore[method-assign]
-        d.resume()
+        slots.wait_one_free = wait_one_free  # type: ignore[method-assign]
+        d.gate.resume()
         flusher = asyncio.create_task(ledger.run_flusher())
         claiming = asyncio.create_task(d.run())
         await parked.wait()
-        while server.inside < d.slots.in_use:
+        while server.inside < slots.in_use:
             await asyncio.sleep(0.01)
         assert server.inside == 6 and len(server.waiting) == 2  # never more than capacity + surplus
         queued_in_server = list(server.waiting)
-        draining = asyncio.create_task(d.drain(30))
-        while d.handed_back < 2:
+        draining = asyncio.create_task(d.takeback.drain(30))
+        while d.tally.handed_back < 2:
             await asyncio.sleep(0.01)
         server.finish.set()  # the four running ones finish within the grace
         handed = await draining
@@ -143,7 +148,7 @@ def test_a_drain_hands_the_surplus_back_untouched_and_lets_the_running_finish(r,
         return d, server, handed
 
     d, server, handed = asyncio.run(asyncio.wait_for(go(), 60))
-    assert handed == 2 and d.done == 4 and server.peak_in == 6
+    assert handed == 2 and d.tally.done == 4 and server.peak_in == 6
     assert sorted(results(r)) == sorted(server.ran) and len(server.ran) == 4
     # The surplus is back at the front of its queue, untouched: queued, no strike, no result.
     back = [c for c in (f"c{i}" for i in range(6)) if c not in server.ran]
@@ -162,9 +167,9 @@ def test_no_surplus_under_a_configured_cap_or_when_switched_off(r, redis_url) ->
         ledger = Ledger(client, Keys("t"), worker="w", lease_ttl_s=15)
         out = []
         for config, cap in ((Config(run="t"), None), (Config(run="t", surplus=0), None), (Config(run="t"), 5)):
-            d = Dispatcher(ledger, QueueingServer(12), config=config, worker="w", queues=lambda: ["gpu0"])
-            await d.set_capacity(12, max_in_flight=cap)
-            out.append((d.capacity, d.surplus, d.slots.capacity))
+            d = dispatcher(ledger, QueueingServer(12), config)
+            d.limit.set_capacity(12, max_in_flight=cap)
+            out.append((d.limit.capacity, d.limit.surplus, d.limit.slots.capacity))
         await client.aclose()
         return out
 

@@ -196,8 +196,8 @@ class GPUWorker(BaseWorker):
         if service is None:
             super().heartbeat(timeout, pipeline)
             return
-        d = service.dispatcher
-        self.successful_job_count, self.failed_job_count = d.done, d.failed + d.refused
+        tally = service.dispatcher.tally
+        self.successful_job_count, self.failed_job_count = tally.done, tally.failed + tally.refused
         pipe = pipeline if pipeline is not None else self.connection.pipeline(transaction=False)
         super().heartbeat(timeout, pipe)
         pipe.hset(self.key, mapping={"successful_job_count": self.successful_job_count,

@@ -28,8 +28,8 @@ import redis
 from batchfleet import sglang
 from batchfleet.backoff import backoff_s
 from batchfleet.config import Config
-from batchfleet.errors import ConfigError, JobRefused, ServerDied, ServerStartError
-from batchfleet.records import ENDPOINTS, EventKind, Prompt, WorkerState
+from batchfleet.errors import ConfigError, ServerDied, ServerStartError
+from batchfleet.records import EventKind, WorkerState
 
 from .dispatcher import Dispatcher
 from .events import EventLog
@@ -37,6 +37,7 @@ from .gpu import wait_gpu_free
 from .server import SGLangServer
 from .slots import surplus_cap
 from .spec import SpecFollower
+from .watch import ServerWatch
 
 __all__ = ["ServerKeeper", "ServerPhase"]
 
@@ -93,6 +94,7 @@ class ServerKeeper:
         self._restarting: dict | None = None  # set between a spec-driven stop and the next start
         self.start_s: float | None = None  # the last start, launch to healthy (published: the restart cost)
         self.drain_s: float | None = None  # the last drain for a new spec, drain + stop (published)
+        self.watch = ServerWatch(config, server, dispatcher, spec, gpu=gpu)
         self._phases: dict[ServerPhase, Callable[[], Awaitable[ServerPhase]]] = {
             ServerPhase.START: self._start, ServerPhase.SERVE: self._serve, ServerPhase.DIED: self._died,
             ServerPhase.RESPEC: self._respec, ServerPhase.BACKOFF: self._backoff,
@@ -106,14 +108,6 @@ class ServerKeeper:
 
     def serving(self) -> bool:
         return self.state is WorkerState.SERVING and self.server.running
-
-    async def generate(self, prompt: Prompt) -> dict:
-        """The dispatcher's backend: one request to this worker's own server, on an endpoint of the
-        allow-list only (a relative path: nothing can send the server's key elsewhere)."""
-        assert self.http is not None
-        if prompt.url not in ENDPOINTS:
-            raise JobRefused(f"refusing to send a request to {prompt.url[:100]!r}")
-        return await sglang.complete(self.http, prompt.url, prompt.body)
 
     async def probe(self) -> bool:
         """Does the server generate (`/health_generate`)? For the dispatcher's breaker."""
@@ -158,11 +152,11 @@ class ServerKeeper:
             raise
         self._failures = 0
         self._serving_since = time.monotonic()
-        self.dispatcher.breaker.reset()
+        self.dispatcher.judge.breaker.reset()
         self.start_s = round(time.monotonic() - launched, 2)
         await self._open_http(capacity)
-        await self.dispatcher.set_capacity(capacity, max_in_flight=self.config.max_in_flight)
-        self.dispatcher.resume()
+        self.dispatcher.limit.set_capacity(capacity, max_in_flight=self.config.max_in_flight)
+        self.dispatcher.gate.resume()
         # The event first: whoever sees the status serve the new generation finds its "restarted" event.
         if self._restarting is not None:
             await self.events.emit(EventKind.RESTARTED, f"gpu{self.gpu} now serves {spec.describe()} (generation "
@@ -180,18 +174,18 @@ class ServerKeeper:
 
     async def _serve(self) -> ServerPhase:
         try:
-            await self._watch()
+            await self.watch.until_change(self.http)
         except ServerDied as exc:
             self._death = exc
             return ServerPhase.DIED
-        return ServerPhase.SICK if self.dispatcher.breaker.open else ServerPhase.RESPEC
+        return ServerPhase.SICK if self.dispatcher.judge.breaker.open else ServerPhase.RESPEC
 
     async def _sick(self) -> ServerPhase:
         """Many different prompts failed in a row here and none succeeded (the breaker opened; the
         dispatcher claims nothing and hands prompts back uncounted). Probe: a server that generates
         serves on (the failures were the prompts'); one that does not is restarted, no prompt struck.
         Sick again and again (`server_start_attempts` restarts in a row): the GPU is marked failed."""
-        breaker = self.dispatcher.breaker
+        breaker = self.dispatcher.judge.breaker
         try:
             await self.server.check_health(self.http, timeout_s=20.0)
         except ServerDied as exc:
@@ -199,14 +193,14 @@ class ServerKeeper:
         else:
             # Its probe generates. Unless that is all it does: the breaker opening again and again with no
             # prompt succeeding between (only the probe passes) is a sick server too.
-            done = self.dispatcher.done
+            done = self.dispatcher.tally.done
             self._passes_in_a_row = self._passes_in_a_row + 1 if done == self._done_at_pass else 1
             self._done_at_pass = done
             if self._passes_in_a_row < PROBE_PASSES_TRUSTED + 1:
                 log.warning("gpu%d: %s, but /health_generate generates: the failures were the prompts'; taking work "
-                            "again", self.gpu, self.dispatcher.breaker_why)
+                            "again", self.gpu, self.dispatcher.judge.why)
                 breaker.probe_ok()
-                self.dispatcher.resume()
+                self.dispatcher.gate.resume()
                 return ServerPhase.SERVE
             probe = (f"its probe passed {self._passes_in_a_row} times in a row while no prompt succeeded: only the "
                      "probe generates")
@@ -215,14 +209,15 @@ class ServerKeeper:
             self._sick_in_a_row = 0  # it served well for a long while before this: a new episode
         self._sick_in_a_row += 1
         self.sick_restarts += 1
-        reason = f"server sick: {self.dispatcher.breaker_why or 'prompts failed'}; then {probe}"
+        reason = f"server sick: {self.dispatcher.judge.why or 'prompts failed'}; then {probe}"
         log.error("gpu%d: %s; restarting it (%d in a row)", self.gpu, reason, self._sick_in_a_row)
         self.state, self.message = WorkerState.RESTARTING, reason
         await self.publish()
         with contextlib.suppress(redis.RedisError, OSError):
             await self.events.emit(EventKind.SERVER_SICK, f"gpu{self.gpu}: {reason}; restarting it",
                                    queue=self.spec.queue, restarts_in_a_row=self._sick_in_a_row)
-        handed = await self.dispatcher.drain(min(10.0, self.config.shutdown_grace_s))  # a sick server answers fast
+        # a sick server answers fast
+        handed = await self.dispatcher.takeback.drain(min(10.0, self.config.shutdown_grace_s))
         self.server.kill()
         await self.server.stop()
         log.info("gpu%d: sick server stopped; %d prompt(s) handed back", self.gpu, handed)
@@ -235,7 +230,7 @@ class ServerKeeper:
         """The GPU cannot serve: say why (status record, event, log), take no work (the dispatcher stays
         paused: its queue is served by the other GPUs' workers), and start again only when told (a new
         `supervisor retry` token, or a new server spec for it) or after `failed_retry_s`."""
-        self.dispatcher.pause()
+        self.dispatcher.gate.pause()
         reason = self._failed_reason
         self.state = WorkerState.FAILED
         self.message = f"{reason}; retrying in {self.config.failed_retry_s:.0f} s or on `supervisor retry`" + (
@@ -279,12 +274,12 @@ class ServerKeeper:
         reason = str(exc).splitlines()[0]
         log.error("gpu%d: %s; restarting it", self.gpu, reason)
         self.state, self.message = WorkerState.RESTARTING, reason
-        self.dispatcher.pause()
+        self.dispatcher.gate.pause()
         self.server.kill()  # a hung server must not finish anything now; a dead one is already gone
         await self.publish()
         tail = exc.log_tail or self.server.log_tail()
         with contextlib.suppress(redis.RedisError, OSError):  # said by the ledger; the leases lapse, they rerun
-            await self.dispatcher.server_lost(reason=f"gpu{self.gpu}: {reason}", log_tail=tail)
+            await self.dispatcher.takeback.server_lost(reason=f"gpu{self.gpu}: {reason}", log_tail=tail)
         return ServerPhase.START
 
     async def _respec(self) -> ServerPhase:
@@ -293,9 +288,9 @@ class ServerKeeper:
         old = self.server.spec
         since = time.monotonic()
         self.state, self.message = WorkerState.RESTARTING, "draining for a new server configuration"
-        self.dispatcher.pause()
+        self.dispatcher.gate.pause()
         await self.publish()
-        handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
+        handed = await self.dispatcher.takeback.drain(self.config.shutdown_grace_s)
         await self.server.stop()
         self.drain_s = round(time.monotonic() - since, 2)
         gpu_note = await wait_gpu_free(self.server.gpus)
@@ -305,77 +300,10 @@ class ServerKeeper:
                  (await self.spec.desired()).generation, handed, gpu_note)
         return ServerPhase.START
 
-    # --- watching --------------------------------------------------------------------------------
-    async def _watch(self) -> None:
-        """Return when the supervisor asks for another server spec; raise ServerDied when the process
-        exited or generation is stuck."""
-        misses = 0
-        last_health = time.monotonic()
-        finished_then = self._finished()
-        while True:
-            if await self.dispatcher.until_trouble(1.0):  # a request broke without an answer: has the process exited?
-                await self._settle_exit()
-                if self.server.running:
-                    self.dispatcher.server_checked()  # alive: claims go on (a hang is judged below)
-            if not self.server.running:
-                self.server.check_alive()
-            desired = await self.spec.desired()
-            if desired.generation != self.server.spec.generation or self.dispatcher.breaker.open:
-                return
-            if time.monotonic() - last_health < self.config.health_interval_s:
-                continue
-            last_health = time.monotonic()
-            if self._finished() > finished_then:
-                finished_then, misses = self._finished(), 0  # prompts are finishing: it generates
-                continue
-            try:
-                # Nothing finished lately: idle, or stuck. Ask for a real generation.
-                if await self._probe_unless_respecified():
-                    return
-                misses = 0
-                self.dispatcher.breaker.success()  # it generates: a prompt failing alone here is at fault
-            except ServerDied as exc:
-                if not self.server.running:
-                    raise
-                misses += 1  # a busy server may miss once; twice in a row is a hang
-                log.warning("gpu%d: health check failed (%d in a row): %s", self.gpu, misses, exc)
-                if misses >= 2:
-                    raise
-
-    async def _probe_unless_respecified(self) -> bool:
-        """The health probe (raises ServerDied), while still following the supervisor: on a full
-        server with long generations the probe waits for a free slot, many seconds; a new spec asked
-        meanwhile cancels it (True) instead of waiting behind it."""
-        probe = asyncio.ensure_future(
-            self.server.check_health(self.http, timeout_s=max(20.0, 2 * self.config.health_interval_s)))
-        try:
-            while True:
-                done, _ = await asyncio.wait({probe}, timeout=1.0)
-                if done:
-                    probe.result()
-                    return False
-                if (await self.spec.desired()).generation != self.server.spec.generation:
-                    return True
-        finally:
-            if not probe.done():
-                probe.cancel()
-                await asyncio.wait({probe}, timeout=5)
-
-    async def _settle_exit(self) -> None:
-        """A dying process resets its connections a moment before the kernel reports its exit: look
-        again for up to a second before judging it alive."""
-        for _ in range(20):
-            if not self.server.running:
-                return
-            await asyncio.sleep(0.05)
-
-    def _finished(self) -> int:
-        return self.dispatcher.done + self.dispatcher.failed
-
     async def _open_http(self, capacity: int) -> None:
         if self.http is not None:
             await self.http.aclose()
-        # Capacity + the largest surplus (dispatcher.set_capacity), and a few more for health checks
+        # Capacity + the largest surplus (`slots.InFlightLimit`), and a few more for health checks
         # and metrics scrapes.
         extra = surplus_cap(capacity, self.config.surplus)
         self.http = sglang.make_client(self.server.url, api_key=self.config.server_api_key,

@@ -7,14 +7,12 @@ cut off, and another worker requeued the job) is dropped here: the prompt runs e
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-
-import redis
+from typing import NoReturn
 
 from .ledger import Ledger
-from .redislink import LINK
+from .redislink import every
 
 __all__ = ["LeaseKeeper"]
 
@@ -23,17 +21,19 @@ log = logging.getLogger("batchfleet.worker")
 
 class LeaseKeeper:
     def __init__(self, ledger: Ledger, *, on_lost: Callable[[list[str]], None],
-                 before: Callable[[], Awaitable[object]] | None = None,
-                 also: Callable[[], Awaitable[object]] | None = None) -> None:
+                 check_drops: Callable[[], Awaitable[object]] | None = None,
+                 check_marker: Callable[[], Awaitable[object]] | None = None) -> None:
         self.ledger = ledger
         self.on_lost = on_lost
-        self.before = before  # before renewing: drop cancelled prompts (their leases were removed, not lost)
-        self.also = also  # paced with the leases: the run-marker check (Redis lost the run's data?)
+        # before renewing: drop cancelled prompts (their leases were removed, not lost)
+        self.check_drops = check_drops
+        # paced with the leases: the run-marker check (did Redis lose the run's data?)
+        self.check_marker = check_marker
         self.period_s = max(0.5, ledger.lease_ttl_s / 3)
 
     async def beat(self) -> None:
-        if self.before is not None:
-            await self.before()
+        if self.check_drops is not None:
+            await self.check_drops()
         lost = await self.ledger.renew()
         if lost:
             log.warning("lost the lease of %d prompt(s) (requeued by another worker while this one was silent); "
@@ -42,16 +42,8 @@ class LeaseKeeper:
         recovered = await self.ledger.recover_lapsed()
         if recovered:
             log.warning("recovered %d prompt(s) from a worker that stopped renewing its leases", len(recovered))
-        if self.also is not None:
-            await self.also()
+        if self.check_marker is not None:
+            await self.check_marker()
 
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.beat()
-                LINK.ok()
-            except (redis.RedisError, OSError) as exc:  # Redis hiccup: leases have slack for a missed beat
-                LINK.lost("renewing leases", exc)
-            except Exception:
-                log.exception("lease upkeep failed")
-            await asyncio.sleep(self.period_s)
+    async def run(self) -> NoReturn:
+        await every(self.period_s, "renewing leases", self.beat)  # a missed beat: leases have slack for it

@@ -39,29 +39,25 @@ import asyncio
 import logging
 import time
 import uuid
-import zlib
 from dataclasses import dataclass
 from enum import StrEnum
 
-import orjson
 import redis
 import redis.asyncio as aioredis
 
 from batchfleet import keys
 from batchfleet.backoff import backoff_s
 from batchfleet.keys import Keys
-from batchfleet.prompts import MAX_BODY_BYTES
 from batchfleet.records import Result
 from batchfleet.scripts import Each, Script
 
-from .redislink import LINK
+from .redislink import guarded
 
-__all__ = ["MAX_STRIKES", "Claim", "ClaimKind", "DeathOutcome", "Ledger", "parse_job_data"]
+__all__ = ["MAX_STRIKES", "Claim", "ClaimKind", "DeathOutcome", "Ledger"]
 
 log = logging.getLogger("batchfleet.worker.ledger")
 
 MAX_STRIKES = 3  # server deaths (the last one alone) after which a prompt is quarantined
-MAX_JOB_BYTES = MAX_BODY_BYTES + 64 * 1024  # a job's data, decompressed: the prompt and its envelope
 # A finish waits up to this long for others to share its script call (its slot is free already; only
 # the results stream waits, and a lease covers 15 s). At 1,000 prompts/s: ~100 per call instead of 1.
 # A worker killed with -9 loses at most this much finished work: those prompts' leases lapse and they
@@ -190,11 +186,6 @@ class Ledger:
         return claims
 
     # --- finish (batched) --------------------------------------------------------------------------
-    @property
-    def unwritten(self) -> int:
-        """Outcomes queued by `finish` or `refuse` and not yet written to Redis."""
-        return len(self._pending)
-
     def finish(self, claim: Claim, result: Result, exc_string: str = "") -> None:
         """Queue a final outcome; the flusher writes it with others in one script call."""
         self._pending.append(_Finish.of(claim, b"s" if result.ok else b"f", result.to_json(), exc_string,
@@ -217,16 +208,8 @@ class Ledger:
             if not self._closing and len(self._pending) < FLUSH_GATHER_MAX:
                 await asyncio.sleep(FLUSH_GATHER_S)  # let a few more finish: one script call for all
             self._wake.clear()
-            try:
-                await self.flush()
-                LINK.ok()
-            except (redis.RedisError, OSError) as exc:  # Redis away: keep the outcomes and retry
-                LINK.lost(f"writing {len(self._pending)} outcome(s)", exc)
-                await asyncio.sleep(1.0)
-                self._wake.set()
-            except Exception:
-                log.exception("writing %d outcome(s) to Redis failed; retrying", len(self._pending))
-                await asyncio.sleep(1.0)
+            if not await guarded(f"writing {len(self._pending)} outcome(s)", self.flush):
+                await asyncio.sleep(1.0)  # Redis away: the outcomes are kept; retry
                 self._wake.set()
 
     def close(self) -> None:
@@ -382,20 +365,3 @@ class Ledger:
             for c in claims:
                 self.held.pop(c.jid, None)
         return DeathOutcome([j.decode() for j in quarantined], int(struck), int(handed), int(stale))
-
-
-def parse_job_data(data: bytes) -> tuple[str, list, dict]:
-    """(function name, args, kwargs) from a job's `data` field: JSON as batchfleet's producer writes
-    it, or zlib-compressed JSON as RQ's own `enqueue` writes it. Never unpickled; never inflated past
-    MAX_JOB_BYTES (a zip bomb is refused, not decompressed)."""
-    if len(data) > MAX_JOB_BYTES:
-        raise ValueError(f"job data of {len(data):,} bytes is larger than {MAX_JOB_BYTES:,}")
-    if data[:1] == b"x":  # zlib header: written through RQ's API
-        inflater = zlib.decompressobj()
-        data = inflater.decompress(data, MAX_JOB_BYTES + 1)
-        if len(data) > MAX_JOB_BYTES or inflater.unconsumed_tail:
-            raise ValueError(f"job data inflates past {MAX_JOB_BYTES:,} bytes")
-    func, _instance, args, kwargs = orjson.loads(data)
-    if not isinstance(func, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
-        raise ValueError("job data is not (function, instance, args, kwargs)")
-    return func, args, kwargs

@@ -9,10 +9,15 @@ link per process (`LINK`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import NoReturn
 
-__all__ = ["LINK", "RedisLink"]
+import redis
+
+__all__ = ["LINK", "RedisLink", "every", "guarded"]
 
 log = logging.getLogger("batchfleet.worker")
 
@@ -58,3 +63,26 @@ class RedisLink:
 
 
 LINK = RedisLink()
+
+
+async def guarded(doing: str, step: Callable[[], Awaitable[object]]) -> bool:
+    """One step of a loop that talks to Redis: True when it went through. A Redis failure is the link's
+    to report (once per outage), anything else is logged with its traceback; either way the loop goes
+    on (a worker never stops serving over its bookkeeping)."""
+    try:
+        await step()
+    except (redis.RedisError, OSError) as exc:
+        LINK.lost(doing, exc)
+    except Exception:
+        log.exception("%s failed", doing)
+    else:
+        LINK.ok()
+        return True
+    return False
+
+
+async def every(period_s: float, doing: str, step: Callable[[], Awaitable[object]]) -> NoReturn:
+    """`step`, `guarded`, every `period_s`, for ever."""
+    while True:
+        await guarded(doing, step)
+        await asyncio.sleep(period_s)

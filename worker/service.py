@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 from collections.abc import Callable
@@ -33,11 +32,11 @@ from batchfleet.connection import redacted
 from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.marker import MarkerWatch
-from batchfleet.records import EventKind, Prompt, WorkerStatus
+from batchfleet.records import EventKind, WorkerStatus
 from batchfleet.redact import Scrubber
 
 from .clock import Clock
-from .dispatcher import REQUEST_ID, Dispatcher
+from .dispatcher import Dispatcher
 from .drops import DropWatch
 from .events import EventLog
 from .flags import server_shape
@@ -77,10 +76,8 @@ class GPUService:
         self.events = EventLog(client, self.k, source=worker, clock=self.clock, scrub=self.scrub)
         self.steal = StealOrder(client, queue=queue, pattern=config.queue_pattern,
                                 period_s=max(0.5, config.lease_ttl_s / 3))
-        self.dispatcher = Dispatcher(self.ledger, self._generate, config=config, worker=worker, queues=self.steal,
-                                     server_ok=self._server_ok, clock=self.clock,
-                                     on_completion=self.meter.note_completion, abort=self._abort,
-                                     probe=self._probe)
+        self.dispatcher = Dispatcher(self.ledger, self, config=config, worker=worker, queues=self.steal,
+                                     clock=self.clock, on_completion=self.meter.note_completion)
         self.spec = SpecFollower(config, client, self.k, worker=worker, queue=queue, gpu=gpu, events=self.events,
                                  current=lambda: self.server.spec if self.server.running else None)
         self.publisher = StatusPublisher(client, self.k, snapshot=self.snapshot)
@@ -92,9 +89,9 @@ class GPUService:
         self._marker = MarkerWatch(self.k, log)  # says so when Redis loses the run's data
         # Cancelled prompts: dropped on the producer's signal, and checked again before each lease renewal
         self.drops = DropWatch(client, self.k, held=lambda: list(self.ledger.held),
-                               drop=self.dispatcher.drop_cancelled, on_check=self._check_cancel)
-        self.leases = LeaseKeeper(self.ledger, on_lost=self.dispatcher.drop_lost, before=self.drops.check,
-                                  also=self._check_marker)
+                               drop=self.dispatcher.takeback.drop_cancelled, on_check=self._check_cancel)
+        self.leases = LeaseKeeper(self.ledger, on_lost=self.dispatcher.takeback.drop_lost,
+                                  check_drops=self.drops.check, check_marker=self._check_marker)
         self._acked = False  # this worker acknowledged the run's cancel flag
         self.stop_requested = asyncio.Event()
         self.exit_code = 0
@@ -126,7 +123,7 @@ class GPUService:
                     log.error("worker stopping on an unexpected error", exc_info=exc)
                     code = 1
         finally:
-            handed = await self.dispatcher.drain(self.config.shutdown_grace_s)
+            handed = await self.dispatcher.takeback.drain(self.config.shutdown_grace_s)
             for t in (serving, claiming, stop):
                 t.cancel()
             await asyncio.wait([serving, claiming, stop], timeout=10)
@@ -148,10 +145,10 @@ class GPUService:
                     await self.publisher.forget(self.worker)
                 else:  # the DOWN record and its reason stay until they expire: `producer status` shows them
                     await self.reporter.publish_now()
-            d = self.dispatcher
+            t = self.dispatcher.tally
             log.info("worker %s stopped: %d done, %d failed, %d refused, %d handed back, %d struck, %d quarantined, "
-                     "%d server death(s), %d sick restart(s)", self.worker, d.done, d.failed, d.refused, d.handed_back,
-                     d.struck, d.quarantined, self.keeper.deaths, self.keeper.sick_restarts)
+                     "%d server death(s), %d sick restart(s)", self.worker, t.done, t.failed, t.refused, t.handed_back,
+                     t.struck, t.quarantined, self.keeper.deaths, self.keeper.sick_restarts)
         return code or self.exit_code
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -172,7 +169,7 @@ class GPUService:
                 EventKind.SHUTDOWN_COMMAND, f"gpu{self.gpu}: {reason}: draining, then exiting {code} (to be restarted)",
                 exit_code=code)))
         self.exit_code = code
-        self.dispatcher.pause()
+        self.dispatcher.gate.pause()
         self.stop_requested.set()
 
     # --- wiring ----------------------------------------------------------------------------------------
@@ -181,18 +178,18 @@ class GPUService:
         `producer cancel` raised the run's flag, drop the rest of the run's in-flight prompts, claim no
         more, say so in one line and acknowledge (`ack:<worker>` = prompts dropped). A flag that goes
         away (purge) lifts it."""
-        d = self.dispatcher
+        gate = self.dispatcher.gate
         if await self.r.hget(self.k.cancel, "at") is None:
-            if d.cancelled:
-                d.uncancel()
+            if gate.cancelled:
+                gate.uncancel()
                 self._acked = False
                 log.warning("run %s is no longer cancelled (its flag %s is gone): taking work again",
                             self.k.run, self.k.cancel)
             elif dropped:  # a part of the run (a `batchfleet serve` batch) was cancelled
                 log.warning("run %s: %d cancelled prompt(s) dropped in flight", self.k.run, dropped)
             return
-        first = not d.cancelled
-        dropped += await d.cancel()
+        first = not gate.cancelled
+        dropped += await self.dispatcher.takeback.cancel()
         if first:
             log.warning("run %s cancelled: dropped %d in flight", self.k.run, dropped)
         elif dropped:
@@ -202,37 +199,32 @@ class GPUService:
             self._acked = True
 
     async def _check_marker(self) -> None:
-        busy = bool(self.ledger.held) or self.dispatcher.done + self.dispatcher.failed > 0
-        await self._marker.check(self.r, busy=busy)
+        tally = self.dispatcher.tally
+        await self._marker.check(self.r, busy=bool(self.ledger.held) or tally.done + tally.failed > 0)
 
     async def _retry_token(self) -> bytes | None:
         """`supervisor retry`'s token for this worker's queue (a change: a failed GPU tries again)."""
         return await self.r.hget(self.k.retry, self.queue)
 
-    async def _probe(self) -> bool:
-        return await self.keeper.probe()
+    # --- the dispatcher's server (`server_side.Server`): the keeper's ---------------------------------
+    @property
+    def client(self) -> sglang.SGLangClient | None:
+        return self.keeper.http
 
-    def _server_ok(self) -> bool:
+    def serving(self) -> bool:
         return self.keeper.serving()
 
-    async def _generate(self, prompt: Prompt) -> dict:
-        rid = REQUEST_ID.get()
-        if rid:  # SGLang's OpenAI endpoints take `rid`: a cancel aborts the request by it
-            prompt = dataclasses.replace(prompt, body={**prompt.body, "rid": rid})
-        return await self.keeper.generate(prompt)
-
-    async def _abort(self, rids: list[str]) -> None:
-        http = self.keeper.http
-        if http is not None and self.keeper.serving():
-            await sglang.abort_requests(http, rids)
+    async def probe(self) -> bool:
+        return await self.keeper.probe()
 
     def snapshot(self) -> WorkerStatus:
         return WorkerStatus(
             worker=self.worker, host=HOST, queue=self.queue, gpu=self.gpu, state=self.keeper.state,
             server_url=self.server.url, strategy=self.server.spec.strategy, server_flags=self.server.flags,
             generation=self.server.spec.generation, effective_max=self.server.capacity,
-            slots=self.dispatcher.slots.capacity, surplus=self.dispatcher.surplus, facts=self.server.facts,
-            in_flight=self.dispatcher.in_flight, done=self.dispatcher.done, failed=self.dispatcher.failed,
+            slots=self.dispatcher.limit.slots.capacity, surplus=self.dispatcher.limit.surplus,
+            facts=self.server.facts, in_flight=self.dispatcher.in_flight, done=self.dispatcher.tally.done,
+            failed=self.dispatcher.tally.failed,
             tokens_per_s=round(self.meter.tokens_per_s(), 1), metrics=self.reporter.metrics,
             message=self.scrub(self.keeper.message), ts=self.clock(),
             shape=server_shape(self.server.flags or self.config.server_argv_extra), start_s=self.keeper.start_s,

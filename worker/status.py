@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import NoReturn
 
 import redis
 import redis.asyncio as aioredis
@@ -19,7 +20,7 @@ from batchfleet.records import ServerMetrics, WorkerStatus
 
 from .gpu import nvidia_smi
 from .meter import ThroughputMeter
-from .redislink import LINK
+from .redislink import LINK, every
 
 __all__ = ["StatusPublisher", "StatusReporter", "gpu_model", "probe_gpu_model"]
 
@@ -72,25 +73,20 @@ class StatusReporter:
         except (redis.RedisError, OSError) as exc:
             LINK.lost("publishing the status record", exc)
 
-    async def run(self) -> None:
+    async def run(self) -> NoReturn:
         if self.gpu is not None:
             await asyncio.to_thread(probe_gpu_model, self.gpu)  # once: the fleet's memory is keyed by it
-        while True:
-            try:
-                client = self.http()
-                if client is not None and self.server_running():
-                    self.metrics = await scrape_metrics(client)
-                    self.meter.note_counter(self.metrics.generation_tokens_total)
-                status = await self.publisher.publish()
-                LINK.ok()
-                if self.on_published is not None:
-                    self.on_published(status)
-                await asyncio.to_thread(self.rq_heartbeat)
-            except (redis.RedisError, OSError) as exc:
-                LINK.lost("publishing the status record", exc)
-            except Exception:
-                log.exception("status publish failed")
-            await asyncio.sleep(self.interval_s)
+        await every(self.interval_s, "publishing the status record", self._beat)
+
+    async def _beat(self) -> None:
+        client = self.http()
+        if client is not None and self.server_running():
+            self.metrics = await scrape_metrics(client)
+            self.meter.note_counter(self.metrics.generation_tokens_total)
+        status = await self.publisher.publish()
+        if self.on_published is not None:
+            self.on_published(status)
+        await asyncio.to_thread(self.rq_heartbeat)
 
 
 async def scrape_metrics(client: sglang.SGLangClient) -> ServerMetrics:

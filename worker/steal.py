@@ -3,20 +3,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import re
+from typing import NoReturn
 
-import redis
 import redis.asyncio as aioredis
 
 from batchfleet.keys import RQ_QUEUES, Keys
 
-from .redislink import LINK
+from .redislink import every
 
 __all__ = ["StealOrder"]
-
-log = logging.getLogger("batchfleet.worker")
 
 
 class StealOrder:
@@ -44,12 +40,5 @@ class StealOrder:
         self.order = [self.queue, *ranked]
         return self.order
 
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except (redis.RedisError, OSError) as exc:
-                LINK.lost("reading the queues' lengths", exc)
-            except Exception:
-                log.exception("cannot read the queues' lengths")
-            await asyncio.sleep(self.period_s)
+    async def run(self) -> NoReturn:
+        await every(self.period_s, "reading the queues' lengths", self.refresh)

@@ -1,0 +1,94 @@
+"""How a claimed prompt ends, written down: a result (a success, a final failure, a quarantine), a
+hand back to its queue, or a refusal (RQ's failed registry, no result). Each is counted in the
+worker's `Tally` and goes to Redis through the ledger (results batched by its flusher)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from batchfleet.errors import ErrorCode
+from batchfleet.records import Result
+from batchfleet.redact import Scrubber
+
+from .breaker import Breaker
+from .flight import Flight, Tally
+from .ledger import MAX_STRIKES, Ledger
+from .slots import Turnover
+
+__all__ = ["LOG_TAIL_CHARS", "Outcomes"]
+
+log = logging.getLogger("batchfleet.worker.dispatcher")
+
+LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
+
+
+class Outcomes:
+    def __init__(self, ledger: Ledger, tally: Tally, *, worker: str, clock: Callable[[], float], scrub: Scrubber,
+                 breaker: Breaker, turnover: Turnover, on_completion: Callable[[int], None]) -> None:
+        self.ledger = ledger
+        self.tally = tally
+        self.worker = worker
+        self.clock = clock  # the worker's clock: a result's finished_at (informational)
+        self.scrub = scrub  # error texts become results, exports and log lines
+        self.breaker = breaker
+        self.turnover = turnover
+        self.on_completion = on_completion  # completion tokens of each success (the throughput meter)
+
+    def succeed(self, flight: Flight, body: dict[str, Any]) -> None:
+        prompt = flight.prompt
+        assert prompt is not None
+        result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=200, body=body,
+                        worker=self.worker, attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
+        flight.settle()
+        self.tally.done += 1
+        self.breaker.success()
+        self.turnover.finished(time.monotonic())
+        self.on_completion(result.completion_tokens)
+        self.ledger.finish(flight.claim, result)
+
+    def fail(self, flight: Flight, status: int, code: ErrorCode, message: str, body: object = None) -> None:
+        """`body`: the server's error answer (JSON), exported as its response body; kept only as an object."""
+        prompt = flight.prompt
+        assert prompt is not None
+        message = self.scrub(message)
+        result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=status,
+                        body=body if isinstance(body, dict) else None, error={"code": code, "message": message},
+                        worker=self.worker, attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
+        flight.settle()
+        self.tally.failed += 1
+        self.turnover.finished(time.monotonic())
+        log.warning("prompt %s failed (%s): %s", result.cid, code, message)
+        self.ledger.finish(flight.claim, result, exc_string=f"{code}: {message}")
+
+    def refuse(self, flight: Flight, reason: str) -> None:
+        log.error("refused job %s: %s", flight.claim.jid, reason)
+        flight.settle()
+        self.tally.refused += 1
+        self.ledger.refuse(flight.claim, reason)
+
+    async def hand_back(self, flight: Flight) -> None:
+        """Back to its queue (where its strikes say), untouched."""
+        flight.settle()
+        try:
+            n = await self.ledger.hand_back([flight.claim])
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not hand back %s (%s): its lease lapses and it runs again", flight.claim.jid, exc)
+            return
+        self.tally.handed_back += n
+
+    def quarantine(self, flight: Flight, reason: str, log_tail: str) -> Result | None:
+        """The result of a prompt its server died on MAX_STRIKES times, the last time alone."""
+        prompt = flight.prompt
+        if prompt is None:
+            return None
+        tail = self.scrub(log_tail[-LOG_TAIL_CHARS:])
+        message = (f"the server died {MAX_STRIKES} times with this prompt inside, the last time with nothing else "
+                   f"in it; quarantined, never run again. Last death: {reason}\n--- server log (tail) ---\n{tail}")
+        return Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=0,
+                      error={"code": ErrorCode.SERVER_CRASH, "message": message}, worker=self.worker,
+                      attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)

@@ -285,3 +285,37 @@ def test_a_flush_that_fails_keeps_every_outcome_for_the_next(r, redis_url):
     assert run(go()) == (0, 3)  # nothing written, every lease still held
     assert r.zcard(k.leases) == 0 and r.xlen(k.results) == 3  # the next flush wrote all three
 
+
+def test_a_renewal_that_meets_a_finish_on_its_way_does_not_call_that_prompt_lost(r, redis_url):
+    """The finish reaches Redis (its lease removed with it) while its reply is still on the way back, and
+    a renewal runs meanwhile: the lease is gone because the prompt finished, not because another worker
+    took it over. Only the prompt whose lease really lapsed is lost."""
+    enqueue(r, "gpu0", 3)
+    k = Keys("t")
+
+    async def go():
+        ledger = await _ledger(redis_url)
+        claims = await ledger.claim(3, ["gpu0"])
+        real = ledger.r.evalsha
+        written, reply = asyncio.Event(), asyncio.Event()
+
+        async def slow_reply(sha, *rest):
+            out = await real(sha, *rest)
+            if sha == FINISH.sha:
+                written.set()  # in Redis now: the leases of the finished prompts are gone
+                await reply.wait()
+            return out
+
+        ledger.r.evalsha = slow_reply
+        succeed(ledger, claims[:2])
+        flushing = asyncio.create_task(ledger.flush())
+        await written.wait()
+        r.zrem(k.leases, *[m for m in r.zrange(k.leases, 0, -1) if claims[2].jid.encode() in m])  # lapsed
+        lost = await ledger.renew()
+        reply.set()
+        await flushing
+        return lost, claims[2].jid
+
+    lost, lapsed = run(go())
+    assert lost == [lapsed]
+    assert r.xlen(k.results) == 2

@@ -151,6 +151,9 @@ class Ledger:
         self.session = uuid.uuid4().hex[:12]
         self.held: dict[str, Claim] = {}
         self._pending: list[_Finish] = []
+        # Jobs whose finish is on its way to Redis: `finish.lua` removes their leases, so a renewal
+        # that reaches Redis after it finds them gone, and they are not lost.
+        self._finishing: set[str] = set()
         self._wake = asyncio.Event()
         self._closing = False
         self.results_backlog = 0  # entries waiting in the results stream, as last seen
@@ -230,6 +233,8 @@ class Ledger:
                 jobs.append(Keys.job(f.claim.jid))
                 outcomes += (f.meta, f.payload)
                 origins[f.claim.origin] = None
+            finishing = [f.claim.jid for f in batch]
+            self._finishing.update(finishing)
             try:
                 stale, backlog = await FINISH.acall(
                     self.r, keys={"leases": self.k.leases, "results": self.k.results, "done": self.k.done,
@@ -241,6 +246,8 @@ class Ledger:
                 # keep them, first; the next flush retries (leases keep the jobs safe)
                 self._pending[:0] = batch + todo
                 raise
+            finally:
+                self._finishing.difference_update(finishing)
             for f in batch:
                 self.held.pop(f.claim.jid, None)
             self.results_backlog = int(backlog)
@@ -269,15 +276,16 @@ class Ledger:
     # --- leases --------------------------------------------------------------------------------------
     async def renew(self) -> list[str]:
         """Extend every lease this worker holds, on Redis's clock. Returns the jids whose lease is no
-        longer held (it lapsed and another worker requeued the job): they are forgotten here."""
+        longer held (it lapsed and another worker requeued the job): they are forgotten here. A job
+        whose finish was written meanwhile (its lease removed with it) is not among them."""
         if not self.held:
             return []
-        lost = await RENEW.acall(self.r, keys={"leases": self.k.leases},
+        gone = await RENEW.acall(self.r, keys={"leases": self.k.leases},
                                  args={"lease_ttl": self.lease_ttl_s, "session": self.session, "jids": list(self.held)})
-        jids = [j.decode() for j in lost]
-        for jid in jids:
-            self.held.pop(jid, None)
-        return jids
+        lost = [jid for jid in (j.decode() for j in gone) if jid in self.held and jid not in self._finishing]
+        for jid in lost:
+            del self.held[jid]
+        return lost
 
     async def hand_back(self, claims: list[Claim]) -> int:
         """Put jobs this worker holds back where their strikes say (shutdown, restart). If Redis

@@ -358,6 +358,51 @@ def test_a_server_death_while_redis_is_away_leaves_no_lease_held_forever(tmp_pat
         redis_server.stop()
 
 
+def test_outcomes_a_worker_could_not_write_before_it_exited_are_said_and_run_again_exactly_once(tmp_path, fleets):
+    # Redis (with AOF) goes away while prompts keep finishing in the server; the worker is then told to stop.
+    # Their outcomes cannot be written: the worker says how many in one line (their leases lapse on Redis's
+    # clock), and once Redis is back another worker runs them: every prompt exactly once in the export.
+    from .conftest import RedisServer
+
+    redis_server = RedisServer(tmp_path, "--appendonly", "yes", "--appendfsync", "always")
+    redis_server.start()
+    try:
+        n = 40
+        fleet = fleets(run="unwritten", prefix="unwritten.", gpus=1, env={
+            "SGLANG_SIM_TIME_SCALE": "2", "BATCHFLEET_LEASE_TTL_S": "4", "BATCHFLEET_SHUTDOWN_GRACE_S": "2"})
+        fleet.redis_url = redis_server.url
+        fleet.env["REDIS_URL"] = redis_server.url
+        fleet.r = __import__("redis").Redis.from_url(redis_server.url)
+        rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=64)
+        fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
+        worker = fleet.start_worker(0)
+        fleet.wait_for(lambda: fleet.r.zcard(fleet.k.leases) >= 5 and fleet.finished() >= 1, 60, "prompts in flight")
+
+        def finished_in_server() -> int:
+            rec = fleet.sim_record(0)
+            return rec["requests_total"] - rec["running"] - rec["queued"] - rec.get("aborted_total", 0)
+
+        redis_server.stop()
+        at_stop = finished_in_server()
+        fleet.wait_for(lambda: finished_in_server() >= at_stop + 3, 60, "prompts finishing while Redis is away")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(90) == 0
+        said = [x for x in fleet.worker_log(0).splitlines() if "could not write the outcome of" in x]
+        assert len(said) == 1, fleet.worker_log(0)[-3000:]
+        unwritten = int(said[0].split("could not write the outcome of ")[1].split()[0])
+        assert unwritten >= 3
+
+        redis_server.start()
+        fleet.start_worker(0)
+        fleet.wait_for(lambda: fleet.finished() >= n, 120, "every prompt after Redis came back")
+        assert fleet.stop_all() == {0: 0}
+        stats = fleet.stats()
+        assert stats["succeeded"] == n and stats.get("recovered", 0) >= unwritten
+        assert sorted(export(fleet, tmp_path)) == sorted(r["id"] for r in rows)
+    finally:
+        redis_server.stop()
+
+
 # --- 7.7: a bad record never stops the fleet ------------------------------------------------------------
 def test_a_bad_control_record_stops_no_worker_now_or_after_a_restart(tmp_path, fleets):
     n, gpus = 240, 2

@@ -182,7 +182,13 @@ class GPUWorker(BaseWorker):
         finally:
             with contextlib.suppress(redis.RedisError, OSError):
                 self.heartbeat()  # the final job counts, before RQ marks the worker dead
-            self.teardown()
+            try:
+                self.teardown()
+            except (redis.RedisError, OSError) as exc:  # Redis away at exit: not this worker's failure
+                log.warning("could not unregister from RQ (%s: %s): RQ's record of this worker expires by itself",
+                            type(exc).__name__, str(exc)[:160])
+                with contextlib.suppress(Exception):
+                    self.unsubscribe()
             lock.release()
         if code:
             sys.exit(code)

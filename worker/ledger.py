@@ -220,6 +220,27 @@ class Ledger:
         self._closing = True
         self._wake.set()
 
+    async def write_out(self, *, within_s: float) -> int:
+        """At exit, after `run_flusher`: write what is still pending, retrying while Redis is away for up
+        to `within_s` (a finish is accepted only while its lease is held). What cannot be written is
+        said in one line, with how many: those prompts' leases lapse and they run again elsewhere.
+        Returns how many outcomes were not written."""
+        deadline = time.monotonic() + within_s
+        failures = 0
+        while self._pending:
+            try:
+                await self.flush()
+            except (redis.RedisError, OSError) as exc:
+                failures += 1
+                wait_s = backoff_s(failures, base_s=0.25, max_s=2.0)
+                if time.monotonic() + wait_s > deadline:
+                    log.error("could not write the outcome of %d finished prompt(s) to Redis before exiting "
+                              "(%s: %s): their leases lapse and they run again on another worker",
+                              len(self._pending), type(exc).__name__, str(exc)[:160])
+                    return len(self._pending)
+                await asyncio.sleep(wait_s)
+        return 0
+
     async def flush(self) -> None:
         """Write the outcomes pending now (500 a call). Those that come while it writes wait for the
         next flush, so that they gather into one call instead of trickling out a few per call."""

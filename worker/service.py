@@ -137,9 +137,10 @@ class GPUService:
                 t.cancel()
             # Bounded waits: redis-py may swallow a cancellation that lands inside a command.
             await asyncio.wait([flusher], timeout=10)
+            flusher.cancel()  # still retrying (Redis away): the last write is the next line's, and it says so
             await asyncio.wait(others, timeout=5)
-            with contextlib.suppress(Exception):
-                await self.ledger.flush()
+            await asyncio.wait([flusher], timeout=5)
+            await self.ledger.write_out(within_s=self.config.lease_ttl_s / 2)
             with contextlib.suppress(Exception):
                 if config_error is None:
                     await self.publisher.forget(self.worker)

@@ -25,6 +25,7 @@ from .flight import Board, Flight, FlightState, Tally
 from .ledger import MAX_STRIKES, DeathOutcome, Ledger
 from .mode import ModeGate
 from .outcomes import Outcomes
+from .redislink import LINK
 from .server_side import Server
 from .slots import InFlightLimit
 
@@ -135,7 +136,10 @@ class Takeback:
             if pending:
                 _, still = await asyncio.wait(pending, timeout=timeout_s)
                 await self.collect(still)
-            await self.ledger.flush()
+            try:
+                await self.ledger.flush()
+            except (redis.RedisError, OSError) as exc:  # the outcomes are kept: the flusher (or the exit) writes them
+                LINK.lost("writing outcomes at a drain", exc)
         finally:
             self.gate.end_drain()
         handed = self.tally.handed_back - before

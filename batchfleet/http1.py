@@ -192,10 +192,6 @@ class Http1Pool:
         self._sweep_s = max(0.05, min(1.0, idle_s / 8, timeout_s / 4))
         self._closed = False
 
-    @property
-    def open_connections(self) -> int:
-        return len(self._busy) + sum(1 for c in self._idle if not c.closed)
-
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         """POST `body` (JSON) to `path` -> (status, reply body). Raises the errors drawn above."""
         return await self._request(b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (

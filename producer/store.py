@@ -29,6 +29,10 @@ longest first within each (`prompts_waiting_input`, in place of `prompts_waiting
 A `Span` is the prompts one transaction enqueued, by seq (a `batchfleet serve` batch): counts, the
 export and cancel can be asked for one span rather than the whole run.
 
+The file itself (its tables, how a new one is made and an old layout migrated) is `storefile.py`'s;
+the fingerprints `fingerprint.py`'s. `StoreReads` holds the read-only questions (counts, spans, the
+results in export order); `Store` adds what changes the store.
+
 Writers (enqueue, feed, collect, recover) hold SQLite's single writer lock for a whole transaction
 (`Store.write()`, BEGIN IMMEDIATE): "is there a result for this prompt?" is serialised against
 "result stored, job removed from Redis", so a prompt with a result is never fed again. WAL lets
@@ -37,139 +41,28 @@ Writers (enqueue, feed, collect, recover) hold SQLite's single writer lock for a
 
 from __future__ import annotations
 
-import hashlib
-import os
-import socket
 import sqlite3
-import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import orjson
+from batchfleet.records import ENDPOINTS
 
-from batchfleet.records import ENDPOINTS, Result
-from batchfleet.redact import private_dir
+from .fingerprint import FileFingerprint, canonical, canonical_request, fingerprint
+from .storefile import SCHEMA_VERSION, connect, create, migrate_2
 
 __all__ = ["UNBOUNDED_COST", "FileFingerprint", "Input", "Known", "MissingStore", "Span", "State", "Store",
            "StoreError", "canonical", "canonical_request", "fingerprint"]
 
-SCHEMA_VERSION = "3"  # 3: request fingerprints, reruns, input files' paths and fingerprints
 UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so it goes first
-# Pages of a new store: 16 KiB, not SQLite's 4 KiB. An enqueue (a serve batch) writes its prompts in big
-# transactions; with a quarter of the pages to link, checksum and append to the WAL, storing 50,000
-# requests of ~260 B takes ~25% less time (a store made before keeps its pages).
-PAGE_SIZE = 16384
 _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 FEED_ORDER = "feed_order"  # meta key: "input" feeds older inputs first (see `order_feed_by_input`)
 _WAITING_BY_INPUT = "CREATE INDEX IF NOT EXISTS prompts_waiting_input ON prompts(file, cost DESC, seq) WHERE state = 0"
 _FAILED_RESULTS = "CREATE INDEX IF NOT EXISTS results_failed ON results(seq) WHERE ok = 0"  # `counts_in` reads it
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS files (
-    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, path TEXT, fp TEXT, prompts INTEGER, enqueued_at REAL
-);
-CREATE TABLE IF NOT EXISTS prompts (
-    seq INTEGER PRIMARY KEY,
-    cid TEXT NOT NULL UNIQUE,
-    ep INTEGER NOT NULL,
-    body BLOB NOT NULL,
-    file INTEGER NOT NULL,
-    line INTEGER NOT NULL,
-    cost INTEGER NOT NULL,
-    state INTEGER NOT NULL DEFAULT 0,
-    fp BLOB
-);
-CREATE INDEX IF NOT EXISTS prompts_waiting ON prompts(cost DESC, seq) WHERE state = 0;
-CREATE INDEX IF NOT EXISTS prompts_fed ON prompts(seq) WHERE state = 1;
-CREATE TABLE IF NOT EXISTS results (
-    seq INTEGER PRIMARY KEY, ok INTEGER NOT NULL, line BLOB NOT NULL, finished_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS tally (name TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS reruns (seq INTEGER PRIMARY KEY);
-INSERT OR IGNORE INTO tally (name, n) VALUES ('waiting', 0), ('fed', 0), ('done', 0), ('ok', 0), ('cancelled', 0);
-"""
-
 _INSERT = "INSERT OR IGNORE INTO prompts (cid, ep, body, file, line, cost, fp) VALUES (?, ?, ?, ?, ?, ?, ?)"
-
-# Schema 2 -> 3: the columns and table fingerprints need. Old rows keep fp NULL (computed when needed).
-_MIGRATE_2 = """
-ALTER TABLE prompts ADD COLUMN fp BLOB;
-ALTER TABLE files ADD COLUMN path TEXT;
-ALTER TABLE files ADD COLUMN fp TEXT;
-ALTER TABLE files ADD COLUMN prompts INTEGER;
-ALTER TABLE files ADD COLUMN enqueued_at REAL;
-CREATE TABLE IF NOT EXISTS reruns (seq INTEGER PRIMARY KEY);
-"""
-
-
-def canonical(body: dict[str, Any]) -> bytes:
-    """A request body as canonical JSON: sorted keys (at every level), no spaces. Enqueue stores it so."""
-    return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
-
-
-_FP_SEEDS = {url: hashlib.blake2b(url.encode() + b"\n", digest_size=16) for url in ENDPOINTS}
-
-
-def fingerprint(url: str, body: dict[str, Any] | bytes, *, is_canonical: bool = False) -> bytes:
-    """A request's fingerprint: 16 bytes of BLAKE2b over its endpoint and its canonical body (after the
-    defaults and per-file options enqueue applied). Two lines ask the same of the server exactly when
-    their fingerprints agree. `body` as JSON bytes is canonicalised unless `is_canonical`."""
-    if not isinstance(body, dict):
-        body = bytes(body) if is_canonical else canonical(orjson.loads(body))
-    else:
-        body = canonical(body)
-    return _fingerprint(url, body)
-
-
-def _fingerprint(url: str, canon: bytes) -> bytes:
-    seed = _FP_SEEDS.get(url)
-    h = seed.copy() if seed is not None else hashlib.blake2b(url.encode() + b"\n", digest_size=16)
-    h.update(canon)
-    return h.digest()
-
-
-def canonical_request(url: str, body: dict[str, Any]) -> tuple[bytes, bytes]:
-    """(`canonical(body)`, `fingerprint(url, body)`) from one encoding: what enqueue and serve store
-    for every line. The bytes kept are a copy of orjson's result: a batch holding thousands of
-    orjson's own results costs a page fault each (~3 us), the copy a tenth of that."""
-    out = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
-    seed = _FP_SEEDS.get(url)
-    if seed is None:
-        return bytes(memoryview(out)), _fingerprint(url, out)
-    h = seed.copy()
-    h.update(out)
-    return bytes(memoryview(out)), h.digest()
-
-
-class FileFingerprint:
-    """The fingerprint of an input file's requests: BLAKE2b over (custom_id, request fingerprint) of
-    each prompt the file holds, in file order (rejected and duplicate lines left out). Formatting,
-    blank lines and key order do not change it; any request's change does."""
-
-    def __init__(self) -> None:
-        self._h = hashlib.blake2b(digest_size=16)
-        self.prompts = 0
-
-    def add(self, cid: str, fp: bytes) -> None:
-        self.add_many(((cid, fp),))
-
-    def add_many(self, prompts: Iterable[tuple[str, bytes]]) -> None:
-        """`add` each (custom_id, fingerprint), in one update of the hash."""
-        parts: list[bytes] = []
-        for cid, fp in prompts:
-            raw = cid.encode("utf-8", "surrogatepass")
-            parts += (len(raw).to_bytes(4, "big"), raw, fp)  # length-prefixed: any custom_id, no ambiguity
-        self._h.update(b"".join(parts))
-        self.prompts += len(parts) // 3
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
 
 class Known(NamedTuple):
     """A prompt the store holds, as enqueue compares a line with it."""
@@ -232,7 +125,106 @@ class MissingStore(StoreError):
     """There is no store file at the path."""
 
 
-class Store:
+class StoreReads:
+    """What the store says, read-only (inside `read()` for several at once): counts, spans, inputs, the
+    results in export order. `producer status` and `export` read through a read-only connection."""
+
+    db: sqlite3.Connection
+    schema: str
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def _waiting_order(self) -> str:
+        """The ORDER BY of waiting prompts, as this store feeds them (each order has its index)."""
+        return "file, cost DESC, seq" if self.get_meta(FEED_ORDER) == "input" else "cost DESC, seq"
+
+    def counts_in(self, span: Span, file_id: int) -> dict[str, int]:
+        """`counts()` of the prompts of one span, all of input `file_id`, counted from the rows. In a
+        store ordered by input each count reads an index of what it counts (waiting, fed, failed or
+        cancelled), never the span's rows: a poll of a running batch costs what is in flight and what
+        failed, not the batch's size."""
+        lo, hi = span
+        waiting = self.db.execute("SELECT COUNT(*) FROM prompts WHERE state = 0 AND file = ? AND seq BETWEEN ? AND ?",
+                                  (file_id, lo, hi)).fetchone()[0]
+        fed = self.db.execute("SELECT COUNT(*) FROM prompts WHERE state = 1 AND seq BETWEEN ? AND ?",
+                              span).fetchone()[0]
+        # results without success: failures (DONE), cancelled lines (CANCELLED), a failure fed again (refeed)
+        other = dict(self.db.execute("SELECT p.state, COUNT(*) FROM results r JOIN prompts p ON p.seq = r.seq "
+                                     "WHERE r.ok = 0 AND r.seq BETWEEN ? AND ? GROUP BY p.state", span).fetchall())
+        failed, cancelled = other.get(State.DONE, 0), other.get(State.CANCELLED, 0)
+        return {"prompts": span.size, "succeeded": span.size - waiting - fed - failed - cancelled, "failed": failed,
+                "pending": waiting + fed, "waiting": waiting, "fed": fed, "cancelled": cancelled}
+
+    def span_of(self, prefix: str) -> tuple[Span | None, int]:
+        """The span of the prompts whose custom_id starts with `prefix` (a range of the custom_id index)
+        and how many they are (None, 0: none); they are contiguous when the count is the span's size."""
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        lo, hi, n = self.db.execute("SELECT MIN(seq), MAX(seq), COUNT(*) FROM prompts WHERE cid >= ? AND cid < ?",
+                                    (prefix, end)).fetchone()
+        return (None, 0) if not n else (Span(lo, hi), n)
+
+    def recount(self) -> dict[str, int]:
+        """The tally recomputed from the rows (slow on a big store): what `counts` must equal."""
+        by_state = dict(self.db.execute("SELECT state, COUNT(*) FROM prompts GROUP BY state").fetchall())
+        ok = self.db.execute("SELECT COUNT(*) FROM results r JOIN prompts p ON p.seq = r.seq "
+                             "WHERE r.ok = 1 AND p.state = 2").fetchone()[0]
+        return {"waiting": by_state.get(0, 0), "fed": by_state.get(1, 0), "done": by_state.get(2, 0), "ok": ok,
+                "cancelled": by_state.get(3, 0)}
+
+    def pending_examples(self, n: int) -> list[str]:
+        """Up to `n` custom_ids without a result, those fed first (input order), then waiting ones."""
+        fed = self.db.execute("SELECT cid FROM prompts WHERE state = 1 ORDER BY seq LIMIT ?", (n,)).fetchall()
+        waiting = self.db.execute(f"SELECT cid FROM prompts WHERE state = 0 ORDER BY {self._waiting_order()} "
+                                  "LIMIT ?", (n,)).fetchall()
+        return [c for (c,) in fed + waiting][:n]
+
+    def result_rows(self, span: Span | None = None) -> Iterator[tuple[bool, bytes]]:
+        """(ok, export line) of every stored result (of `span`), in input order."""
+        cond, args = _within(span)
+        for ok, line in self.db.execute(f"SELECT ok, line FROM results WHERE 1{cond} ORDER BY seq", args):
+            yield bool(ok), line
+
+    def inputs(self) -> list[Input]:
+        """The input files whose enqueue completed, the latest last (none in a schema-2 store read as is)."""
+        if self.schema == "2":
+            return []
+        rows = self.db.execute("SELECT name, path, fp, prompts, enqueued_at FROM files WHERE enqueued_at IS NOT NULL "
+                               "ORDER BY enqueued_at, id").fetchall()
+        return [Input(*row) for row in rows]
+
+    def rejected_results(self) -> int:
+        return int(self.get_meta("rejected_results") or 0)
+
+    def in_redis(self) -> bool:
+        """Has the store prompts in Redis now (FED)? Only then can Redis have lost any of them: a run
+        whose prompts all have results (or were cancelled) has nothing there to lose."""
+        return self.db.execute("SELECT n FROM tally WHERE name = 'fed'").fetchone()[0] > 0
+
+    def cancelled_at(self) -> float | None:
+        value = self.get_meta("cancelled_at")
+        return None if value is None else float(value)
+
+    def counts(self) -> dict[str, int]:
+        t = dict(self.db.execute("SELECT name, n FROM tally").fetchall())
+        cancelled = t.get("cancelled", 0)
+        prompts = t["waiting"] + t["fed"] + t["done"] + cancelled
+        return {"prompts": prompts, "succeeded": t["ok"], "failed": t["done"] - t["ok"],
+                "pending": t["waiting"] + t["fed"], "waiting": t["waiting"], "fed": t["fed"], "cancelled": cancelled}
+
+    def fed_cids(self, span: Span | None = None) -> list[str]:
+        """custom_ids of the FED prompts (of `span`), in seq order."""
+        cond, args = _within(span)
+        return [c for (c,) in self.db.execute(f"SELECT cid FROM prompts WHERE state = 1{cond} ORDER BY seq", args)]
+
+    def fed(self, *, after: int = 0, limit: int = 5000) -> list[tuple[int, str]]:
+        """(seq, cid) of FED prompts with seq > `after`, in seq order (page through them)."""
+        return self.db.execute("SELECT seq, cid FROM prompts WHERE state = 1 AND seq > ? ORDER BY seq LIMIT ?",
+                               (after, limit)).fetchall()
+
+
+class Store(StoreReads):
     """One connection to a run's store. Build with `create_or_open` (enqueue) or `open`."""
 
     def __init__(self, db: sqlite3.Connection, path: Path, *, readonly: bool) -> None:
@@ -241,7 +233,7 @@ class Store:
         self.readonly = readonly
         meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
         if meta.get("schema") == "2" and not readonly:
-            meta["schema"] = self._migrate_2()
+            meta["schema"] = migrate_2(db)
         if meta.get("schema") not in (SCHEMA_VERSION, "2"):  # 2 is read as it is where it cannot be migrated
             db.close()
             raise StoreError(f"{path} was made by another version of batchfleet (store layout "
@@ -251,77 +243,16 @@ class Store:
         self.run: str = meta["run"]
         self.created: float = float(meta["created"])
 
-    def _migrate_2(self) -> str:
-        """Schema 2 -> 3 in one transaction (another process may have done it meanwhile): the
-        fingerprint columns, and the export lines of HTTP errors in OpenAI's shape."""
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            if self.db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0] == "2":
-                for statement in _MIGRATE_2.split(";"):
-                    if statement.strip():
-                        self.db.execute(statement)
-                fixed = []
-                for seq, raw in self.db.execute("SELECT seq, line FROM results WHERE ok = 0").fetchall():
-                    line = orjson.loads(raw)
-                    resp, err = line.get("response"), line.get("error")
-                    if isinstance(resp, dict) and isinstance(err, dict) and isinstance(resp.get("status_code"), int):
-                        # the one definition of an export line; the server's body was not kept then
-                        res = Result(cid=line["custom_id"], jid=str(resp.get("request_id")), seq=seq,
-                                     status_code=resp["status_code"], body=resp.get("body"), error=err)
-                        fixed.append((orjson.dumps(res.batch_output_line()), seq))
-                self.db.executemany("UPDATE results SET line = ? WHERE seq = ?", fixed)
-                self.db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (SCHEMA_VERSION,))
-            self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        return SCHEMA_VERSION
-
     # --- opening ------------------------------------------------------------------------------------
     @classmethod
     def create_or_open(cls, path: Path, *, run: str) -> Store:
         """Open the store at `path`, creating it (mode 0600, its directory 0700) when missing."""
         path = path.absolute()
         if not path.exists():
-            cls._create(path, run)
-        store = cls(cls._connect(path, readonly=False), path, readonly=False)
+            create(path, run)
+        store = cls(connect(path, readonly=False), path, readonly=False)
         store._check_run(run)
         return store
-
-    @classmethod
-    def _create(cls, path: Path, run: str) -> None:
-        """Make the store in a private file beside `path`, then link it into place. Whoever opens
-        `path` (the head polls it from before the first enqueue) finds a whole store already in WAL
-        mode, or no file: never an empty file, tables without their meta rows, or a connection
-        switching the file to WAL (that switch fails at once with "database is locked" for a
-        concurrent opener, busy timeout or not). Two creators at once: the first link wins, the
-        other opens that store."""
-        private_dir(path.parent)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.new")
-        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        try:
-            db = cls._connect(tmp, readonly=False)
-            try:
-                db.execute("BEGIN IMMEDIATE")
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        db.execute(statement)
-                db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [
-                    ("schema", SCHEMA_VERSION), ("store_id", uuid.uuid4().hex), ("run", run),
-                    ("created", repr(time.time())), ("host", socket.gethostname()), ("rejected_results", "0")])
-                db.execute("COMMIT")
-            finally:
-                db.close()  # the last connection checkpoints: the file alone is the whole store
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass  # another enqueue made it first: open that one
-            except OSError:  # a file system without hard links (some network or FUSE ones)
-                if not path.exists():
-                    os.replace(tmp, path)  # atomic too; only a second creator racing here could lose
-        finally:
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{tmp}{suffix}").unlink(missing_ok=True)
 
     @classmethod
     def open(cls, path: Path, *, run: str, readonly: bool = False) -> Store:
@@ -330,7 +261,7 @@ class Store:
         if not path.is_file():
             raise MissingStore(f"no store at {path}")
         try:
-            db = cls._connect(path, readonly=readonly)
+            db = connect(path, readonly=readonly)
             tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.Error as exc:
             raise StoreError(f"{path} is not a batchfleet store ({exc})") from None
@@ -343,19 +274,6 @@ class Store:
         store = cls(db, path, readonly=readonly)
         store._check_run(run)
         return store
-
-    @staticmethod
-    def _connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
-        # autocommit mode: transactions are explicit (BEGIN IMMEDIATE / BEGIN), never implicit
-        if readonly:
-            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, timeout=60.0)
-        else:
-            db = sqlite3.connect(path, isolation_level=None, timeout=60.0)
-            db.execute(f"PRAGMA page_size={PAGE_SIZE}")  # a store being made (`_create`); no-op on one made
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes; WAL-safe
-        db.execute("PRAGMA cache_size=-65536")  # 64 MiB: the unique cid index of a 10M-prompt run
-        return db
 
     def _check_run(self, run: str) -> None:
         if self.run != run:
@@ -398,10 +316,6 @@ class Store:
             rows += self.db.execute(sql.format(",".join("?" * len(part))), part).fetchall()
         return rows
 
-    def get_meta(self, key: str) -> str | None:
-        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row[0]
-
     def checkpoint_later(self) -> None:
         """This connection's commits leave the WAL as it is: a commit that takes the WAL past 1,000 pages
         otherwise copies it into the store file and syncs that, in the committing call (~0.1 s of a
@@ -417,10 +331,6 @@ class Store:
     def file_id(self, name: str) -> int:
         self.db.execute("INSERT OR IGNORE INTO files (name) VALUES (?)", (name,))
         return self.db.execute("SELECT id FROM files WHERE name = ?", (name,)).fetchone()[0]
-
-    def file_name(self, file_id: int) -> str:
-        row = self.db.execute("SELECT name FROM files WHERE id = ?", (file_id,)).fetchone()
-        return "?" if row is None else row[0]
 
     def max_seq(self) -> int:
         return self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM prompts").fetchone()[0]
@@ -464,14 +374,6 @@ class Store:
         self.db.execute("UPDATE files SET path = ?, fp = ?, prompts = ?, enqueued_at = ? WHERE id = ?",
                         (path, fp.hexdigest(), fp.prompts, at, file_id))
 
-    def inputs(self) -> list[Input]:
-        """The input files whose enqueue completed, the latest last (none in a schema-2 store read as is)."""
-        if self.schema == "2":
-            return []
-        rows = self.db.execute("SELECT name, path, fp, prompts, enqueued_at FROM files WHERE enqueued_at IS NOT NULL "
-                               "ORDER BY enqueued_at, id").fetchall()
-        return [Input(*row) for row in rows]
-
     # --- feed (inside write()) ----------------------------------------------------------------------
     def order_feed_by_input(self) -> None:
         """From now on feed an older input's prompts before a newer one's (inside write()). What
@@ -481,10 +383,6 @@ class Store:
         self.db.execute(_FAILED_RESULTS)
         self.db.execute("DROP INDEX IF EXISTS prompts_waiting")
         self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, 'input')", (FEED_ORDER,))
-
-    def _waiting_order(self) -> str:
-        """The ORDER BY of waiting prompts, as this store feeds them (each order has its index)."""
-        return "file, cost DESC, seq" if self.get_meta(FEED_ORDER) == "input" else "cost DESC, seq"
 
     def next_to_feed(self, limit: int) -> list[tuple[int, str, str, bytes, str]]:
         """(seq, cid, url, body, fp) of up to `limit` WAITING prompts: longest expected work first (in a
@@ -502,16 +400,6 @@ class Store:
         self._tally(old.tally, -n)
         self._tally(new.tally, n)
         return n
-
-    def fed_cids(self, span: Span | None = None) -> list[str]:
-        """custom_ids of the FED prompts (of `span`), in seq order."""
-        cond, args = _within(span)
-        return [c for (c,) in self.db.execute(f"SELECT cid FROM prompts WHERE state = 1{cond} ORDER BY seq", args)]
-
-    def fed(self, *, after: int = 0, limit: int = 5000) -> list[tuple[int, str]]:
-        """(seq, cid) of FED prompts with seq > `after`, in seq order (page through them)."""
-        return self.db.execute("SELECT seq, cid FROM prompts WHERE state = 1 AND seq > ? ORDER BY seq LIMIT ?",
-                               (after, limit)).fetchall()
 
     # --- collect (inside write()) -------------------------------------------------------------------
     def lookup(self, cids: Sequence[str]) -> dict[str, tuple[int, int, str, bool]]:
@@ -556,47 +444,7 @@ class Store:
         if n:
             self.db.execute("UPDATE meta SET value = CAST(value AS INTEGER) + ? WHERE key = 'rejected_results'", (n,))
 
-    # --- status / export ----------------------------------------------------------------------------
-    def counts(self) -> dict[str, int]:
-        t = dict(self.db.execute("SELECT name, n FROM tally").fetchall())
-        cancelled = t.get("cancelled", 0)
-        prompts = t["waiting"] + t["fed"] + t["done"] + cancelled
-        return {"prompts": prompts, "succeeded": t["ok"], "failed": t["done"] - t["ok"],
-                "pending": t["waiting"] + t["fed"], "waiting": t["waiting"], "fed": t["fed"], "cancelled": cancelled}
-
-    def counts_in(self, span: Span, file_id: int) -> dict[str, int]:
-        """`counts()` of the prompts of one span, all of input `file_id`, counted from the rows. In a
-        store ordered by input each count reads an index of what it counts (waiting, fed, failed or
-        cancelled), never the span's rows: a poll of a running batch costs what is in flight and what
-        failed, not the batch's size."""
-        lo, hi = span
-        waiting = self.db.execute("SELECT COUNT(*) FROM prompts WHERE state = 0 AND file = ? AND seq BETWEEN ? AND ?",
-                                  (file_id, lo, hi)).fetchone()[0]
-        fed = self.db.execute("SELECT COUNT(*) FROM prompts WHERE state = 1 AND seq BETWEEN ? AND ?",
-                              span).fetchone()[0]
-        # results without success: failures (DONE), cancelled lines (CANCELLED), a failure fed again (refeed)
-        other = dict(self.db.execute("SELECT p.state, COUNT(*) FROM results r JOIN prompts p ON p.seq = r.seq "
-                                     "WHERE r.ok = 0 AND r.seq BETWEEN ? AND ? GROUP BY p.state", span).fetchall())
-        failed, cancelled = other.get(State.DONE, 0), other.get(State.CANCELLED, 0)
-        return {"prompts": span.size, "succeeded": span.size - waiting - fed - failed - cancelled, "failed": failed,
-                "pending": waiting + fed, "waiting": waiting, "fed": fed, "cancelled": cancelled}
-
-    def span_of(self, prefix: str) -> tuple[Span | None, int]:
-        """The span of the prompts whose custom_id starts with `prefix` (a range of the custom_id index)
-        and how many they are (None, 0: none); they are contiguous when the count is the span's size."""
-        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        lo, hi, n = self.db.execute("SELECT MIN(seq), MAX(seq), COUNT(*) FROM prompts WHERE cid >= ? AND cid < ?",
-                                    (prefix, end)).fetchone()
-        return (None, 0) if not n else (Span(lo, hi), n)
-
-    def recount(self) -> dict[str, int]:
-        """The tally recomputed from the rows (slow on a big store): what `counts` must equal."""
-        by_state = dict(self.db.execute("SELECT state, COUNT(*) FROM prompts GROUP BY state").fetchall())
-        ok = self.db.execute("SELECT COUNT(*) FROM results r JOIN prompts p ON p.seq = r.seq "
-                             "WHERE r.ok = 1 AND p.state = 2").fetchone()[0]
-        return {"waiting": by_state.get(0, 0), "fed": by_state.get(1, 0), "done": by_state.get(2, 0), "ok": ok,
-                "cancelled": by_state.get(3, 0)}
-
+    # --- repair (inside write()) ------------------------------------------------------------------
     def fix_tally(self) -> bool:
         """Rewrite the tally from the rows (inside write()); True when it had drifted."""
         real = self.recount()
@@ -626,10 +474,6 @@ class Store:
             out += rows
         return out
 
-    def cancelled_at(self) -> float | None:
-        value = self.get_meta("cancelled_at")
-        return None if value is None else float(value)
-
     def refeed(self, cids: Sequence[str]) -> int:
         """Prompts of `cids` that have a failed result go back to WAITING (`rq requeue` of a failed
         job whose `data` was trimmed: the head feeds it again from here). Returns how many."""
@@ -637,33 +481,3 @@ class Store:
                            "WHERE p.state = 2 AND r.ok = 0 AND p.cid IN ({})", list(cids))
         return self.set_state([seq for (seq,) in rows], State.DONE, State.WAITING)
 
-    def ever_fed(self) -> bool:
-        """Has any prompt of this store ever been put into Redis?"""
-        t = dict(self.db.execute("SELECT name, n FROM tally WHERE name IN ('fed', 'done')").fetchall())
-        return t["fed"] + t["done"] > 0
-
-    def in_redis(self) -> bool:
-        """Has the store prompts in Redis now (FED)? Only then can Redis have lost any of them: a run
-        whose prompts all have results (or were cancelled) has nothing there to lose."""
-        return self.db.execute("SELECT n FROM tally WHERE name = 'fed'").fetchone()[0] > 0
-
-    def rejected_results(self) -> int:
-        return int(self.get_meta("rejected_results") or 0)
-
-    def pending_examples(self, n: int) -> list[str]:
-        """Up to `n` custom_ids without a result, those fed first (input order), then waiting ones."""
-        fed = self.db.execute("SELECT cid FROM prompts WHERE state = 1 ORDER BY seq LIMIT ?", (n,)).fetchall()
-        waiting = self.db.execute(f"SELECT cid FROM prompts WHERE state = 0 ORDER BY {self._waiting_order()} "
-                                  "LIMIT ?", (n,)).fetchall()
-        return [c for (c,) in fed + waiting][:n]
-
-    def result_lines(self) -> Iterator[bytes]:
-        """Every stored result's export line, in input order."""
-        for _, line in self.result_rows():
-            yield line
-
-    def result_rows(self, span: Span | None = None) -> Iterator[tuple[bool, bytes]]:
-        """(ok, export line) of every stored result (of `span`), in input order."""
-        cond, args = _within(span)
-        for ok, line in self.db.execute(f"SELECT ok, line FROM results WHERE 1{cond} ORDER BY seq", args):
-            yield bool(ok), line

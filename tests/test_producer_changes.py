@@ -18,7 +18,8 @@ import redis.asyncio as aioredis
 from batchfleet.jobs import job_id_for, parse_job_data
 from batchfleet.keys import Keys
 from batchfleet.records import Prompt, Result
-from producer.store import FileFingerprint, Store, fingerprint
+from producer.fingerprint import FileFingerprint, fingerprint
+from producer.store import Store
 from worker.ledger import Ledger
 
 from .test_producer_helpers import RUN, Cli, job_prompt, make_cli, queued_ids, summary, write_jsonl
@@ -270,7 +271,7 @@ def test_a_store_made_before_fingerprints_keeps_working_and_is_migrated(cli: Cli
     assert summary(out) == (2, "0 new, 1 already in the store, 1 already finished, 0 rejected, 0 duplicates")
     store = Store.open(path, run=RUN, readonly=True)
     assert store.schema == "3" and [i.fp for i in store.inputs()] != []
-    (line,) = [orjson.loads(x) for x in store.result_lines()]
+    (line,) = [orjson.loads(x) for x in (line for _, line in store.result_rows())]
     assert line == {"id": f"batch_req_{jid}", "custom_id": "p0", "error": None, "response": {
         "status_code": 400, "request_id": jid, "body": {"error": {"message": "HTTP 400: too long"}}}}
     store.close()

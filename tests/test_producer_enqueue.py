@@ -22,8 +22,9 @@ from batchfleet.records import Prompt
 from batchfleet.serializer import OrjsonSerializer
 from producer import parse as parse_module
 from producer.collect import collect_once
+from producer.fingerprint import fingerprint
 from producer.locate import HOST
-from producer.store import Store, fingerprint
+from producer.store import Store
 
 from .test_producer_helpers import RUN, Cli, job_prompt, make_cli, queued_ids, simple, work, write_jsonl
 

@@ -12,17 +12,15 @@ from pathlib import Path
 import orjson
 import pytest
 
+from producer import storefile
 from producer.enqueue import cost_of
+from producer.fingerprint import FileFingerprint, canonical, canonical_request, fingerprint
 from producer.store import (
     UNBOUNDED_COST,
-    FileFingerprint,
     MissingStore,
     State,
     Store,
     StoreError,
-    canonical,
-    canonical_request,
-    fingerprint,
 )
 
 
@@ -96,7 +94,7 @@ def test_a_store_being_created_is_missing_never_half_made(tmp_path: Path, monkey
     and the head would exit 2."""
     path = tmp_path / "state" / "r.sqlite"
     seen: list[str] = []
-    connect = Store._connect
+    connect = storefile.connect
 
     def peek(statement: str) -> None:
         try:
@@ -113,7 +111,7 @@ def test_a_store_being_created_is_missing_never_half_made(tmp_path: Path, monkey
             db.set_trace_callback(peek)
         return db
 
-    monkeypatch.setattr(Store, "_connect", staticmethod(traced))
+    monkeypatch.setattr(storefile, "connect", traced)  # the connections `create` makes
     Store.create_or_open(path, run="r").close()
     monkeypatch.undo()
     assert len(seen) > 10 and set(seen) == {"missing"}, seen  # every peek came while it was being made
@@ -126,7 +124,7 @@ def test_a_file_system_without_hard_links_still_gets_a_store(tmp_path: Path, mon
     def no_links(src: object, dst: object) -> None:
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr("producer.store.os.link", no_links)
+    monkeypatch.setattr(storefile.os, "link", no_links)
     path = tmp_path / "state" / "r.sqlite"
     Store.create_or_open(path, run="r").close()
     assert sorted(p.name for p in path.parent.iterdir()) == ["r.sqlite"]
@@ -230,7 +228,7 @@ def test_results_success_wins_and_export_keeps_input_order(tmp_path: Path) -> No
         assert s.store_results([(3, State.FED, 1, b'"c2 ok"', 10.0), (1, State.FED, 0, b'"c0 failed"', 11.0)]) == 2
         # c0 is retried (`rq requeue`) and succeeds; then a stray late failure of c2 arrives
         assert s.store_results([(1, State.DONE, 1, b'"c0 ok"', 12.0), (3, State.DONE, 0, b'"c2 late"', 13.0)]) == 0
-    assert list(s.result_lines()) == [b'"c0 ok"', b'"c2 ok"']
+    assert [line for _, line in s.result_rows()] == [b'"c0 ok"', b'"c2 ok"']
     assert s.counts() == {"prompts": 3, "succeeded": 2, "failed": 0, "pending": 1, "waiting": 0, "fed": 1,
                           "cancelled": 0}
     assert s.pending_examples(5) == ["c1"]
@@ -264,14 +262,14 @@ def test_cancel_marks_the_rest_cancelled_and_a_late_result_replaces_its_line(tmp
     assert s.cancelled_at() == 20.0 and not s.in_redis()
     assert s.counts() == {"prompts": 5, "succeeded": 1, "failed": 0, "pending": 0, "waiting": 0, "fed": 0,
                           "cancelled": 4}
-    assert list(s.result_lines()) == [b'"c0 ok"', b'"c1 cancelled"', b'"c2 cancelled"', b'"c3 cancelled"',
-                                      b'"c4 cancelled"']
+    assert [line for _, line in s.result_rows()] == [b'"c0 ok"', b'"c1 cancelled"', b'"c2 cancelled"',
+                                                     b'"c3 cancelled"', b'"c4 cancelled"']
     check_tally(s)
     # A worker that finished before it saw the flag: its (real) results replace the cancelled lines.
     with s.write():
         late = [(2, State.CANCELLED, 1, b'"c1 ok"', 19.0), (3, State.CANCELLED, 0, b'"c2 no"', 1.0)]
         assert s.store_results(late) == 2
-    assert list(s.result_lines())[:3] == [b'"c0 ok"', b'"c1 ok"', b'"c2 no"']
+    assert [line for _, line in s.result_rows()][:3] == [b'"c0 ok"', b'"c1 ok"', b'"c2 no"']
     assert s.counts() == {"prompts": 5, "succeeded": 2, "failed": 1, "pending": 0, "waiting": 0, "fed": 0,
                           "cancelled": 2}
     assert not s.fix_tally()
@@ -290,7 +288,7 @@ def test_refeed_puts_only_failed_prompts_back_and_their_next_result_ends_them(tm
     with s.write():
         s.set_state([1], State.WAITING, State.FED)
         s.store_results([(1, State.FED, 0, b'"c0 failed again"', 11.0)])
-    assert next(iter(s.result_lines())) == b'"c0 failed again"'
+    assert next(line for _, line in s.result_rows()) == b'"c0 failed again"'
     assert s.counts() == {"prompts": 3, "succeeded": 1, "failed": 1, "pending": 1, "waiting": 0, "fed": 1,
                           "cancelled": 0}
     check_tally(s)

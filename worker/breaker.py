@@ -76,7 +76,3 @@ class Breaker:
         self.epoch += 1
         self.failing.clear()
         self.open = False
-
-    @property
-    def suspect_prompts(self) -> int:
-        return len(self.failing)

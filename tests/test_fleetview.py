@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 from batchfleet.config import Config
 from batchfleet.fleetview import FleetView, eta_text, read_fleet_view
 from batchfleet.keys import STATUS_TTL_S, Keys
-from batchfleet.records import ServerMetrics, WorkerState, WorkerStatus
+from batchfleet.records import ServerMetrics, WorkerStatus
 from fleetrun.cli import Screen
 from producer.head import Head
 from producer.status import gather_progress
@@ -157,8 +157,6 @@ def test_a_record_this_version_cannot_read_is_said_once_counted_and_shown(
     assert len(said) == 1 and "WorkerStatus.gpu" in said[0]
 
 
-@pytest.mark.xfail(not hasattr(WorkerState, "UNKNOWN"), strict=True,
-                   reason="records.decode takes an unknown enum value as UNKNOWN (issue 19 §3, the typed change)")
 def test_a_worker_in_a_state_from_a_newer_version_keeps_its_queue_and_capacity_in_the_window(
         cli: Cli, r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     assert cli("enqueue", str(write_jsonl(tmp_path / "in.jsonl", simple(100))), "--queues", "gpu0",

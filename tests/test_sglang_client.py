@@ -415,8 +415,9 @@ def test_a_body_read_until_close_is_cut_short_by_a_reset() -> None:
 
 
 def test_duplicate_content_lengths_are_refused_and_close_the_connection() -> None:
-    """Two Content-Length headers: the last one used to win. llhttp refuses them even when they agree,
-    which RFC 9110 §8.6 allows (a recipient MAY reject them); uvicorn never sends two."""
+    """Two Content-Length headers: a parser that lets the last one win can be smuggled a reply. llhttp
+    refuses them even when they agree, which RFC 9110 §8.6 allows (a recipient MAY reject them); uvicorn
+    never sends two."""
 
     async def go(srv: RawServer) -> None:
         pool = http1.Http1Pool(srv.url, max_connections=4, timeout_s=5)

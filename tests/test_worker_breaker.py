@@ -15,7 +15,7 @@ import pytest
 from batchfleet.redact import Scrubber
 from worker.breaker import Breaker
 from worker.facts import read_facts
-from worker.server import _LogPump
+from worker.server import LogPump
 from worker.startfail import fatal_line, port_holder, start_failure_reason
 
 from .fakeserver import FakeServer
@@ -112,7 +112,7 @@ def test_a_full_disk_never_stops_the_worker_draining_the_servers_output(caplog: 
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         with caplog.at_level(logging.WARNING, logger="batchfleet.worker.server"):
-            pump = _LogPump(child, open("/dev/full", "ab"), Scrubber(()), name="gpu0-server-log")  # noqa: SIM115
+            pump = LogPump(child, open("/dev/full", "ab"), Scrubber(()), name="gpu0-server-log")  # noqa: SIM115
             deadline = time.monotonic() + 60
             while child.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -225,9 +225,9 @@ def succeed(ledger: Ledger, claims) -> None:
 
 
 def test_finishes_that_come_while_a_flush_writes_gather_into_the_next_call(r, redis_url):
-    """At 1,000 prompts/s a few prompts finish during every flush call. They used to be written at
-    once by a call of their own, then the ones during that call, and so on: 30 calls a second
-    instead of 10, most of them of 1-5 outcomes. They now wait for the next gathered flush."""
+    """At 1,000 prompts/s a few prompts finish during every flush call. They wait for the next gathered
+    flush: written at once by a call of their own (then the ones during that call, and so on) they would
+    make 30 calls a second instead of 10, most of them of 1-5 outcomes."""
     enqueue(r, "gpu0", 6)
     k = Keys("t")
 

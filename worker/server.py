@@ -31,7 +31,7 @@ from .facts import read_facts
 from .flags import ServerCLI, build_argv, read_server_cli
 from .startfail import fatal_line, port_holder, port_in_use_reason, start_failure_reason
 
-__all__ = ["SGLangServer", "write_pid_record"]
+__all__ = ["LogPump", "SGLangServer", "write_pid_record"]
 
 log = logging.getLogger("batchfleet.worker.server")
 
@@ -59,7 +59,7 @@ class SGLangServer:
         self.facts: ServerFacts | None = None  # what the running server said about itself at start-up
         self._cli: ServerCLI | None = None
         self._scrub = Scrubber.for_config(config)
-        self._pump: _LogPump | None = None
+        self._pump: LogPump | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def start(self, spec: ServerSpec) -> int:
@@ -93,7 +93,7 @@ class SGLangServer:
         except BaseException:
             logf.close()
             raise
-        self._pump = _LogPump(self.proc, logf, self._scrub, name=f"gpu{self.gpu}-server-log")
+        self._pump = LogPump(self.proc, logf, self._scrub, name=f"gpu{self.gpu}-server-log")
         try:
             write_pid_record(self.pid_path, self.proc.pid)
         except OSError as exc:  # a full disk: serve all the same; a leftover of this server is then not recognised
@@ -333,7 +333,7 @@ def _leftover_server(path: Path) -> int | None:
     return pid
 
 
-class _LogPump:
+class LogPump:
     """Copies a server's output into its log file line by line, every known secret scrubbed, on a
     thread of its own (the server never blocks on a full pipe while the event loop is busy)."""
 

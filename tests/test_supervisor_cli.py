@@ -53,7 +53,7 @@ def test_apply_writes_specs_then_events_and_read_control_reads_them_back(fleet):
     said = []
     spec = ServerSpec(generation=3, strategy="no_buffer")
     apply(fleet, K, [Emit(Event("decision", "why")), SetOverride("gpu1", spec)], say=said.append)
-    fleet.hset(K.control, Keys.control_worker("old.gpu0.1"), ServerSpec(generation=5).to_json())  # older supervisor
+    fleet.hset(K.control, Keys.control_worker("old.gpu0.1"), ServerSpec(generation=5).to_json())  # per worker name
     control = read_control(fleet, K, read_fleet(fleet, K))
     assert control.overrides == {"gpu1": spec} and control.fleet is None and control.next_generation() == 6
     assert control.legacy == {"old.gpu0.1": ServerSpec(generation=5)}

@@ -408,8 +408,8 @@ def test_the_verdict_compares_with_the_peers_steady_rate_not_a_ramp_up_decision_
 
 
 def test_a_canary_still_filling_is_not_judged_and_not_rolled_back():
-    """Issue 9 §2: the canary came up with 72 slots while its worker kept 36 in flight; judged then, it
-    looked slower than its peers and was rolled back. Not full = not measured."""
+    """Issue 9 §2: a canary up with 72 slots while its worker keeps 36 in flight looks slower than its
+    peers; judged then, a change that gains would be rolled back. Not full = not measured."""
     pilot = seed_pilot()
     acts = drive(pilot, [restarting(1), *canary_windows(range(2, 8), tps=347, fill=lambda k, t: 36)],
                  control(seen_generation=1))

@@ -1,6 +1,6 @@
 """What the autopilot remembers between windows (`PilotState`), and the phases of its state machine.
-The state is stored in Redis (`Keys.autopilot`) as JSON, one key per field, so a restarted supervisor
-carries on where it was."""
+The state is stored in Redis (`Keys.autopilot`) as one JSON object, so a restarted supervisor carries
+on where it was."""
 
 from __future__ import annotations
 

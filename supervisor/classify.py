@@ -22,9 +22,9 @@ count (what it offers the server) against the server's capacity tells client-bou
 the server's time-averaged running + queued, KV usage projected to the cap, and retractions tell
 KV-bound; and the **static facts** the server gave at start-up (`ServerFacts`: the cap and its cause,
 the mamba pool and its slots per request) tell mamba-bound at once, whatever the gauges flicker
-(evidence "static"). Without facts (older workers) mamba-bound falls back on the gauges (evidence
-"gauges": `sglang:mamba_usage` ≥ 50 % — evictable cached states count as free, so a capped pool
-reads ~60-70 %, not 100 %).
+(evidence "static"). Without facts (a worker that does not publish them) mamba-bound falls back on
+the gauges (evidence "gauges": `sglang:mamba_usage` ≥ 50 % — evictable cached states count as free,
+so a capped pool reads ~60-70 %, not 100 %).
 
 Peer outliers are flagged separately, only among servers that are steady (offered their capacity,
 backlog waiting) and served the same generation for the whole window: a server that is draining, filling
@@ -140,7 +140,7 @@ class ServerView:
     facts: ServerFacts | None = None
     points: tuple[Point, ...] = ()
     outliers: list[str] = field(default_factory=list)
-    # The server's parallel layout ("tp1", "tp4", "tp2dp2+dpattn"; an older worker's "" reads "tp1"):
+    # The server's parallel layout ("tp1", "tp4", "tp2dp2+dpattn"; a record without one, "", reads "tp1"):
     # servers are compared only with peers of the same shape.
     shape: str = "tp1"
     start_s: float | None = None  # its worker's measure of its last start, launch to healthy
@@ -251,59 +251,89 @@ def _aggregate(serving: list[WorkerStatus]) -> _Agg:
         retracted=(retracted[-1] - retracted[0]) if retracted else 0.0, surplus=last.surplus)
 
 
+Judged = tuple[Cls, list[str], str]  # (class, reasons, evidence)
+
+
 def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, silent: bool, ended: bool,
-                  th: Thresholds) -> tuple[Cls, list[str], str]:
-    """(class, reasons, evidence); evidence is "static"/"gauges" for mamba-bound, "filling" for a
-    client-bound server whose worker is still filling its slots, else ""."""
+                  th: Thresholds) -> Judged:
+    """(class, reasons, evidence), checked in the order of the module docstring's table; evidence is
+    "static"/"gauges" for mamba-bound, "filling" for a client-bound server whose worker is still filling
+    its slots, else ""."""
     last = samples[-1]
-    if last.state is WorkerState.DOWN or last.state is WorkerState.FAILED:  # failed: its GPU takes no work
+    off = _not_serving(last, silent)
+    if off is not None:
+        return off
+    serving = [s for s in samples if s.state is WorkerState.SERVING and s.generation == last.generation]
+    if len(serving) >= 2 and all(s.in_flight > 0 for s in serving) and not _progressed(serving):
+        return HUNG, [f"{last.in_flight} in flight, no token and no finished prompt over the window"], ""
+    if backlog == 0:
+        return (IDLE, ["the run has ended: nothing left to serve"], "") if ended else (
+            DRAINING, ["no backlog left in Redis"], "")
+    a = _aggregate(serving)
+    if a.offered < a.cap - th.tolerance(a.cap):
+        return _offered_less(a, serving, late=2 * len(serving) < len(samples), backlog=backlog, short_of=short_of,
+                             th=th)
+    # The worker offers the server its capacity: what the server does with it is the server's.
+    return _kv_bound(a, th) or _mamba_bound(a, last, backlog, th) or _saturated(a, last.facts)
+
+
+def _not_serving(last: WorkerStatus, silent: bool) -> Judged | None:
+    """Down (failed: its GPU takes no work), silent, or between two servers; None while it serves."""
+    if last.state is WorkerState.DOWN or last.state is WorkerState.FAILED:
         return DOWN, [(f"{last.state}: " if last.state is WorkerState.FAILED else "")
                       + (last.message or "the worker reports its server down")], ""
     if silent:
         return SILENT, ["its status record stopped changing: the worker is gone or stuck"], ""
     if last.state is not WorkerState.SERVING:
         return RESTARTING, [f"state {last.state}" + (f": {last.message}" if last.message else "")], ""
-    serving = [s for s in samples if s.state is WorkerState.SERVING and s.generation == last.generation]
-    first = serving[0]
+    return None
+
+
+def _progressed(serving: list[WorkerStatus]) -> bool:
+    """A prompt finished, or the server's token counter moved, between the first and the last sample."""
+    first, last = serving[0], serving[-1]
     tokens = [s.metrics.generation_tokens_total for s in serving]
-    progressed = last.done + last.failed > first.done + first.failed or (
-        None not in tokens and tokens[-1] != tokens[0])
-    if len(serving) >= 2 and all(s.in_flight > 0 for s in serving) and not progressed:
-        return HUNG, [f"{last.in_flight} in flight, no token and no finished prompt over the window"], ""
-    if backlog == 0:
-        return (IDLE, ["the run has ended: nothing left to serve"], "") if ended else (
-            DRAINING, ["no backlog left in Redis"], "")
-    a = _aggregate(serving)
-    if 2 * len(serving) < len(samples) and a.offered < a.cap - th.tolerance(a.cap):
-        # It began serving (again) late in this window: its worker is still taking work, not slow.
+    return last.done + last.failed > first.done + first.failed or (None not in tokens and tokens[-1] != tokens[0])
+
+
+def _offered_less(a: _Agg, serving: list[WorkerStatus], *, late: bool, backlog: int, short_of: float,
+                  th: Thresholds) -> Judged:
+    """The worker offers its server less than its capacity: our side, unless the run is ending."""
+    tol = th.tolerance(a.cap)
+    first, last = serving[0], serving[-1]
+    if late:  # it began serving (again) late in this window: its worker is still taking work, not slow
         return CLIENT_BOUND, [f"running {a.running:.0f} of {a.cap}: serving since late in this window",
                               f"the worker is still filling its {a.limit} slots"], "filling"
-    tol = th.tolerance(a.cap)
-    if a.offered < a.cap - tol:
-        if backlog < short_of:
-            return DRAINING, [f"the backlog ({backlog}) no longer fills the fleet's free slots ({short_of:.0f})"], ""
-        why = [f"running {a.running:.0f} of {a.cap} while Redis holds {backlog} prompt(s): our side is slow"]
-        if a.limit < a.cap - tol:
-            why.append(f"the worker's in-flight limit is {a.limit} (BATCHFLEET_MAX_IN_FLIGHT), under the "
-                       f"server's {a.cap}")
-        elif serving[-1].in_flight > first.in_flight + tol:
-            why.append(f"the worker is still filling its {a.limit} slots ({first.in_flight} -> "
-                       f"{serving[-1].in_flight} in flight)")
-            return CLIENT_BOUND, why, "filling"
-        else:
-            why.append(f"the worker keeps only {a.offered:.0f} of its {a.limit} slots busy (dispatch or Redis), "
-                       "not the server")
+    if backlog < short_of:
+        return DRAINING, [f"the backlog ({backlog}) no longer fills the fleet's free slots ({short_of:.0f})"], ""
+    why = [f"running {a.running:.0f} of {a.cap} while Redis holds {backlog} prompt(s): our side is slow"]
+    if a.limit < a.cap - tol:
+        why.append(f"the worker's in-flight limit is {a.limit} (BATCHFLEET_MAX_IN_FLIGHT), under the server's {a.cap}")
         return CLIENT_BOUND, why, ""
-    # The worker offers the server its capacity: what the server does with it is the server's.
+    if last.in_flight > first.in_flight + tol:
+        why.append(f"the worker is still filling its {a.limit} slots ({first.in_flight} -> {last.in_flight} in flight)")
+        return CLIENT_BOUND, why, "filling"
+    why.append(f"the worker keeps only {a.offered:.0f} of its {a.limit} slots busy (dispatch or Redis), not the server")
+    return CLIENT_BOUND, why, ""
+
+
+def _kv_bound(a: _Agg, th: Thresholds) -> Judged | None:
+    """Retractions or a full-KV peak; or, below the cap with a queue inside, a KV pool that admits no more."""
     if a.retracted > 0 or a.kv_peak >= th.kv_high:
         why = [f"full-KV usage up to {a.kv_peak:.0%}"]
         if a.retracted > 0:
             why.append(f"{a.retracted:.0f} request(s) retracted")
         return KV_BOUND, why, ""
-    below = a.running < a.cap - tol
+    below = a.running < a.cap - th.tolerance(a.cap)
     if below and a.queued > a.surplus + 1 and a.kv_at_cap is not None and a.kv_at_cap >= th.kv_admit:
         return KV_BOUND, [f"running {a.running:.0f} of {a.cap} with {a.queued:.0f} waiting in the server: its KV pool "
                           f"admits no more (full-KV usage {a.kv:.0%}, {a.kv_at_cap:.0%} at the cap)"], ""
+    return None
+
+
+def _mamba_bound(a: _Agg, last: WorkerStatus, backlog: int, th: Thresholds) -> Judged | None:
+    """Capped by its mamba state pool with KV mostly free: from its start-up facts ("static"), or, when
+    the server did not say what caps it (a worker or server without facts), from its gauges."""
     facts = last.facts
     kv_free = a.kv_at_cap is None or a.kv_at_cap < th.kv_low
     if facts is not None and facts.cap_cause is CapCause.MAMBA and facts.effective_max_running == last.effective_max \
@@ -313,11 +343,14 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, si
         return MAMBA_BOUND, [f"capped at {a.cap} by its mamba state pool ({pool}) with KV mostly free "
                              f"({_pct(a.kv)} used, {_pct(a.kv_at_cap)} at the cap); {backlog} waiting; "
                              f"the worker offers {a.offered:.0f}"], "static"
-    # Gauges only when the server did not say what caps it (an older worker or server).
-    if (facts is None or facts.cap_cause is CapCause.UNKNOWN) and a.running + a.queued >= a.cap - tol \
+    if (facts is None or facts.cap_cause is CapCause.UNKNOWN) and a.running + a.queued >= a.cap - th.tolerance(a.cap) \
             and a.mamba is not None and a.mamba >= th.mamba_high and a.kv is not None and a.kv < th.kv_low:
         return MAMBA_BOUND, [f"running pinned at {a.cap}, {backlog} waiting, mamba usage {a.mamba:.0%}, "
                              f"KV usage {a.kv:.0%}: the mamba state pool caps concurrency"], "gauges"
+    return None
+
+
+def _saturated(a: _Agg, facts: ServerFacts | None) -> Judged:
     cause = f" (capped by {facts.cap_cause})" if facts is not None and facts.cap_cause is not CapCause.UNKNOWN else ""
     return SATURATED, [f"running {a.running:.0f} of {a.cap}{cause}; mamba {_pct(a.mamba)}, KV {_pct(a.kv)}: "
                        "nothing to gain by restarting"], ""

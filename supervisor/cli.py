@@ -49,10 +49,11 @@ from batchfleet.records import ServerSpec, WorkerState
 from batchfleet.redact import Scrubber
 from batchfleet.runs import UnknownRun, require_run
 
-from .autopilot import Settings, State
 from .classify import WindowReport, classify_window
 from .fleet import FleetSnapshot, read_fleet
 from .ladder import LadderConfig
+from .pilotstate import PilotState
+from .settings import Settings
 from .view import phase_line, render
 
 __all__ = ["build_parser", "main"]
@@ -255,7 +256,7 @@ def _autopilot(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys
         return 0
     console = _Console()
     with Live(console=console, refresh_per_second=2, transient=False) as live:
-        def show(snap: FleetSnapshot, report: WindowReport | None, state: State) -> None:
+        def show(snap: FleetSnapshot, report: WindowReport | None, state: PilotState) -> None:
             live.update(render(snap, report=report, width=console.width,
                                phase=phase_line(state, dry_run=settings.dry_run)))
 

@@ -15,9 +15,9 @@ SGLang's sizing (reference §1):
     both pools are a fixed share of rest: pool' + 1 = (pool + 1) * rest' / rest, tokens' likewise
     cap'      = min(pool' // slots_per_request', tokens' // 2, --max-running-requests')
 
-Without those figures (older workers) the prediction is the slot ratio alone. The worker adds
-`--disable-overlap-schedule` where the server's version needs it. Radix off is only proposed when
-the measured cache hit rate says prefix caching buys little.
+Without those figures (a worker that does not publish them) the prediction is the slot ratio alone.
+The worker adds `--disable-overlap-schedule` where the server's version needs it. Radix off is only
+proposed when the measured cache hit rate says prefix caching buys little.
 """
 
 from __future__ import annotations

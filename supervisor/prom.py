@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from .autopilot import Phase, State
 from .classify import CLASSES, WindowReport
 from .fleet import FleetSnapshot
+from .pilotstate import Phase, PilotState
 
 __all__ = ["FleetMetrics"]
 
@@ -44,7 +44,7 @@ class FleetMetrics:
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
-    def update(self, snap: FleetSnapshot, report: WindowReport | None, state: State) -> None:
+    def update(self, snap: FleetSnapshot, report: WindowReport | None, state: PilotState) -> None:
         self.fleet_tps.set(snap.tokens_per_s)
         self.live.set(len(snap.live))
         for q, n in snap.backlog.items():

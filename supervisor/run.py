@@ -22,14 +22,25 @@ from batchfleet.config import DEFAULT_QUEUE_PATTERN
 from batchfleet.keys import Keys
 from batchfleet.records import Event, EventKind, RecordError, ServerSpec
 
-from .autopilot import Action, Autopilot, Control, DropFields, Emit, Remember, SetFleet, SetOverride, Settings, State
+from .autopilot import (
+    Action,
+    Autopilot,
+    Control,
+    DropFields,
+    Emit,
+    PilotState,
+    Remember,
+    SetFleet,
+    SetOverride,
+    Settings,
+)
 from .classify import Thresholds, WindowReport, classify_window
 from .fleet import FleetSnapshot, read_events, read_fleet, skip_record
 from .ladder import LadderConfig, current_spec
 from .memory import parse_memory
 from .prom import FleetMetrics
 
-__all__ = ["RedisWatch", "apply", "log_event", "manual_restart", "read_control", "run_autopilot"]
+__all__ = ["RedisWatch", "apply", "history_sample", "log_event", "manual_restart", "read_control", "run_autopilot"]
 
 OVERRIDE_PREFIXES = (Keys.CONTROL_QUEUE_PREFIX, Keys.CONTROL_WORKER_PREFIX)
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
@@ -59,7 +70,7 @@ def log_event(r: redis.Redis, k: Keys, event: Event) -> None:
 
 
 def apply(r: redis.Redis, k: Keys, actions: Sequence[Action], *, say: Callable[[str], None] = print,
-          state: State | None = None) -> None:
+          state: PilotState | None = None) -> None:
     """Write the autopilot's actions: specs first, so an event never announces what Redis lacks.
     `state.control` keeps what was written, to restore it after Redis lost its data."""
     written = state.control if state is not None else {}
@@ -124,7 +135,7 @@ class RedisWatch:
         return True
 
 
-def _restore(r: redis.Redis, k: Keys, state: State, say: Callable[[str], None]) -> None:
+def _restore(r: redis.Redis, k: Keys, state: PilotState, say: Callable[[str], None]) -> None:
     """After an outage: if Redis lost the autopilot's state, write it back with the specs we own."""
     if r.exists(k.autopilot):
         return
@@ -147,15 +158,15 @@ def run_autopilot(r: redis.Redis, k: Keys, *, settings: Settings, ladder: Ladder
                   thresholds: Thresholds | None = None, window_s: float = 10.0, sample_s: float = 1.0,
                   queue_pattern: str = DEFAULT_QUEUE_PATTERN, metrics: FleetMetrics | None = None,
                   say: Callable[[str], None] = print, should_stop: Callable[[], bool] = lambda: False,
-                  show: Callable[[FleetSnapshot, WindowReport | None, State], None] | None = None,
+                  show: Callable[[FleetSnapshot, WindowReport | None, PilotState], None] | None = None,
                   redis_label: str = "") -> None:
-    """The loop. State lives in Redis (`Keys.autopilot`) and in memory, so a restarted supervisor
+    """The loop. Its state lives in Redis (`Keys.autopilot`) and in memory, so a restarted supervisor
     carries on, and an outage of Redis costs nothing but the windows it spans."""
     watch = RedisWatch(redis_label or "Redis", say)
-    state: State | None = None
+    state: PilotState | None = None
     while state is None and not should_stop():
         try:
-            state = State.from_json(r.get(k.autopilot))
+            state = PilotState.from_json(r.get(k.autopilot))
             last_event = r.xrevrange(k.events, count=1)
         except REDIS_DOWN as exc:
             watch.lost(exc)

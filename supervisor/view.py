@@ -18,9 +18,9 @@ from rich.text import Text
 
 from batchfleet.records import WorkerStatus
 
-from .autopilot import Phase, State
 from .classify import Cls, ServerView, WindowReport
 from .fleet import FleetSnapshot
+from .pilotstate import Phase, PilotState
 
 __all__ = ["phase_line", "render"]
 
@@ -158,7 +158,7 @@ def render(snap: FleetSnapshot, *, classes: dict[str, str] | None = None, report
     return Group(*parts)
 
 
-def phase_line(state: State, *, dry_run: bool = False) -> str:
+def phase_line(state: PilotState, *, dry_run: bool = False) -> str:
     """What the autopilot is doing, in one line."""
     head = "autopilot (dry run)" if dry_run else "autopilot"
     if state.phase == Phase.OBSERVING:
@@ -166,7 +166,7 @@ def phase_line(state: State, *, dry_run: bool = False) -> str:
         backoff = f"; backing off: {', '.join(state.tried)}" if state.tried else ""
         return f"{head}: observing{stall}{backoff}"
     target = (state.target or {}).get("strategy", "?")
-    done = sum(m[0] for m in state.measured)
+    done = state.measured_s
     extra = f"; not measured: {state.confounded}" if state.confounded else ""
     if state.phase == Phase.CANARY:
         return f"{head}: canary {state.canary_label} on {target}, {done:.0f} s measured{extra}"

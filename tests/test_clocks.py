@@ -75,6 +75,6 @@ def test_events_and_snapshots_are_timed_by_redis(r: redis.Redis):
 
 
 def _state():
-    from supervisor.autopilot import State
+    from supervisor.autopilot import PilotState
 
-    return State()
+    return PilotState()

@@ -23,7 +23,7 @@ from fleetrun.cli import Screen
 from producer.head import Head
 from producer.status import gather_progress
 from producer.store import Store
-from supervisor.autopilot import State
+from supervisor.autopilot import PilotState
 from supervisor.cli import main as supervisor
 from supervisor.fleet import read_fleet
 from supervisor.prom import FleetMetrics
@@ -139,7 +139,7 @@ def test_every_command_prints_the_same_eta_for_the_same_run(cli: Cli, r: redis.R
     assert (snap["eta"], round(snap["eta_s"])) == (eta, 70)
 
     metrics = FleetMetrics()
-    metrics.update(read_fleet(r, K), None, State())
+    metrics.update(read_fleet(r, K), None, PilotState())
     assert "batchfleet_eta_seconds 70.0" in generate_latest(metrics.registry).decode()
 
 

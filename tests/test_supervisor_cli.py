@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 
 from batchfleet.keys import Keys
 from batchfleet.records import Event, ServerMetrics, ServerSpec, WorkerStatus
-from supervisor.autopilot import DropFields, Emit, SetFleet, SetOverride, State
+from supervisor.autopilot import DropFields, Emit, PilotState, SetFleet, SetOverride
 from supervisor.cli import main
 from supervisor.fleet import read_fleet
 from supervisor.prom import FleetMetrics
@@ -53,7 +53,7 @@ def test_apply_writes_specs_then_events_and_read_control_reads_them_back(fleet):
     said = []
     spec = ServerSpec(generation=3, strategy="no_buffer")
     apply(fleet, K, [Emit(Event("decision", "why")), SetOverride("gpu1", spec)], say=said.append)
-    fleet.hset(K.control, Keys.control_worker("old.gpu0.1"), ServerSpec(generation=5).to_json())  # older supervisor
+    fleet.hset(K.control, Keys.control_worker("old.gpu0.1"), ServerSpec(generation=5).to_json())  # per worker name
     control = read_control(fleet, K, read_fleet(fleet, K))
     assert control.overrides == {"gpu1": spec} and control.fleet is None and control.next_generation() == 6
     assert control.legacy == {"old.gpu0.1": ServerSpec(generation=5)}
@@ -72,7 +72,7 @@ def test_watch_once_json_has_classes(fleet, capsys):
 
 def test_prometheus_exposes_fleet_and_per_gpu_metrics(fleet):
     m = FleetMetrics()
-    m.update(read_fleet(fleet, K), None, State(phase="canary"))
+    m.update(read_fleet(fleet, K), None, PilotState(phase="canary"))
     text = generate_latest(m.registry).decode()
     assert "batchfleet_fleet_tokens_per_second 1120.0" in text and "batchfleet_fleet_live_workers 2.0" in text
     assert 'batchfleet_gpu_max_running_requests{gpu="0",worker="w0"} 37.0' in text
@@ -92,7 +92,7 @@ def test_batchfleet_metric_names_pass_promtool(fleet, tmp_path):
     m = FleetMetrics()
     snap = read_fleet(fleet, K)
     fleet.xadd(K.events, {"e": Event("decision", "why").to_json()})
-    m.update(read_fleet(fleet, K), classify_window([snap]), State(phase="canary"))  # every metric has a sample
+    m.update(read_fleet(fleet, K), classify_window([snap]), PilotState(phase="canary"))  # every metric has a sample
     text = generate_latest(m.registry).decode()
     names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
     assert len(names) >= 14 and all(n.startswith("batchfleet_") for n in names)

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from batchfleet.records import Event, ServerFacts, ServerMetrics, ServerSpec, WorkerStatus
-from supervisor.autopilot import Autopilot, Control, DropFields, Emit, SetFleet, SetOverride, Settings, State
+from supervisor.autopilot import Autopilot, Control, DropFields, Emit, PilotState, SetFleet, SetOverride, Settings
 from supervisor.classify import classify_window
 from supervisor.fleet import FleetSnapshot
 from supervisor.ladder import LadderConfig, current_spec, next_rung, predict_capacity, spec_key
@@ -408,8 +408,8 @@ def test_the_verdict_compares_with_the_peers_steady_rate_not_a_ramp_up_decision_
 
 
 def test_a_canary_still_filling_is_not_judged_and_not_rolled_back():
-    """Issue 9 §2: the canary came up with 72 slots while its worker kept 36 in flight; judged then, it
-    looked slower than its peers and was rolled back. Not full = not measured."""
+    """Issue 9 §2: a canary up with 72 slots while its worker keeps 36 in flight looks slower than its
+    peers; judged then, a change that gains would be rolled back. Not full = not measured."""
     pilot = seed_pilot()
     acts = drive(pilot, [restarting(1), *canary_windows(range(2, 8), tps=347, fill=lambda k, t: 36)],
                  control(seen_generation=1))
@@ -459,13 +459,35 @@ def test_a_canary_that_does_not_gain_is_rolled_back_and_retried_after_a_back_off
     assert "did not gain" in rb.message and rb.data["canary_tokens_per_s"] == pytest.approx(400)
     assert rb.data["verdict"] == "failed"
     # A restarted supervisor reads its state back: the rung is in back-off, not banned.
-    again = Autopilot(pilot.s, LadderConfig(forbid=frozenset({"no_radix"})), State.from_json(pilot.state.to_json()))
+    again = Autopilot(pilot.s, LadderConfig(forbid=frozenset({"no_radix"})),
+                      PilotState.from_json(pilot.state.to_json()))
     acts = drive(again, [stalled(k, facts=SEED) for k in (4, 5)], control(seen_generation=2))
     assert not [a for a in acts if not isinstance(a, Emit)]
     assert any("did not gain" in e.message and "retry after" in e.message for e in emitted(acts, "decision"))
     acts = drive(again, [stalled(40, facts=SEED)], control(seen_generation=2))  # 160 s later: back-off over
     (decision,) = emitted(acts, "decision")
     assert "try 2, bar x1.30" in decision.message and again.state.bar == pytest.approx(0.3)
+
+
+# A state as a supervisor stores it in Redis (`Keys.autopilot`), in the middle of a canary.
+STORED_STATE = (
+    '{"phase":"canary","stall":1,"stall_since":0.0,"fleet_tps":[],"server_tps":[],"baseline":{"generation":0,'
+    '"strategy":"default","mem_fraction_static":null,"max_running_requests":null},"target":{"generation":1,'
+    '"strategy":"no_buffer","mem_fraction_static":0.9,"max_running_requests":128},"predicted":1.0,"bar":0.2,'
+    '"canary":"gpu0","canary_label":"gpu0","phase_since":0.0,"progress_since":0.0,"served_since":0.0,'
+    '"measured":[[2.0,1065.0,560.0]],"confounded":"","baseline_capacity":0.0,"before_tps":0.0,'
+    '"before_server_tps":0.0,"decide_s":0.0,"rolled":[],"tried":{"no_buffer|0.9|128":{"tries":1,"bar":0.3,'
+    '"until":700.0,"why":"did not gain"}},"restart_costs":[6.5],"canary_restart":{},"notes":{},"classes":{},'
+    '"control":{},"shape":"tp1","recalled":false,"consulted":["gpu0"]}')
+
+
+def test_a_stored_state_reads_back_and_is_written_again_in_the_same_shape():
+    st = PilotState.from_json(STORED_STATE)
+    assert (st.phase, st.canary, st.shape, st.restart_costs) == ("canary", "gpu0", "tp1", [6.5])
+    assert st.target_spec == replace(NO_BUFFER, generation=1) and st.tried["no_buffer|0.9|128"]["tries"] == 1
+    assert st.to_json().decode() == STORED_STATE
+    pilot = Autopilot(Settings(), LadderConfig(), st)  # a restarted supervisor carries on with the canary
+    assert pilot.restart_cost_s() == pytest.approx(6.5) and pilot.state.measured == [[2.0, 1065.0, 560.0]]
 
 
 def test_a_canary_that_fails_to_start_is_rolled_back():

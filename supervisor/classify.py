@@ -45,10 +45,10 @@ from batchfleet.sglang import flag_value
 from .fleet import FleetSnapshot
 from .ladder import current_spec
 
-__all__ = ["CLASSES", "Cls", "Point", "ServerView", "Thresholds", "WindowReport", "classify_window"]
+__all__ = ["CLASSES", "Point", "ServerClass", "ServerView", "Thresholds", "WindowReport", "classify_window"]
 
 
-class Cls(StrEnum):
+class ServerClass(StrEnum):
     DOWN = "down"
     RESTARTING = "restarting"
     SILENT = "silent"
@@ -61,9 +61,11 @@ class Cls(StrEnum):
     SATURATED = "saturated-healthy"
 
 
-DOWN, RESTARTING, SILENT, HUNG, DRAINING, IDLE = Cls.DOWN, Cls.RESTARTING, Cls.SILENT, Cls.HUNG, Cls.DRAINING, Cls.IDLE
-KV_BOUND, CLIENT_BOUND, MAMBA_BOUND, SATURATED = Cls.KV_BOUND, Cls.CLIENT_BOUND, Cls.MAMBA_BOUND, Cls.SATURATED
-CLASSES = tuple(Cls)
+C = ServerClass
+DOWN, RESTARTING, SILENT, HUNG, DRAINING, IDLE = C.DOWN, C.RESTARTING, C.SILENT, C.HUNG, C.DRAINING, C.IDLE
+KV_BOUND, CLIENT_BOUND, MAMBA_BOUND, SATURATED = C.KV_BOUND, C.CLIENT_BOUND, C.MAMBA_BOUND, C.SATURATED
+del C
+CLASSES = tuple(ServerClass)
 STEADY = (MAMBA_BOUND, SATURATED, KV_BOUND)  # offered their capacity with a backlog: comparable
 
 
@@ -120,7 +122,7 @@ class ServerView:
     host: str
     gpu: int | None
     label: str  # gpuN, or host/gpuN when the fleet spans hosts
-    cls: Cls
+    cls: ServerClass
     reasons: list[str]
     state: WorkerState  # at the end of the window
     strategy: Strategy
@@ -153,7 +155,7 @@ class ServerView:
     @property
     def serving(self) -> bool:
         """Serving, as far as anyone can tell: a silent record (its worker gone) says nothing now."""
-        return self.state is WorkerState.SERVING and self.cls != Cls.SILENT
+        return self.state is WorkerState.SERVING and self.cls != ServerClass.SILENT
 
     def steady_since(self, generation: int | None = None) -> float | None:
         """The start of the trailing run of samples where this server served (`generation`) and its
@@ -251,7 +253,7 @@ def _aggregate(serving: list[WorkerStatus]) -> _Agg:
         retracted=(retracted[-1] - retracted[0]) if retracted else 0.0, surplus=last.surplus)
 
 
-Judged = tuple[Cls, list[str], str]  # (class, reasons, evidence)
+Judged = tuple[ServerClass, list[str], str]  # (class, reasons, evidence)
 
 
 def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, silent: bool, ended: bool,

@@ -18,16 +18,16 @@ from rich.text import Text
 
 from batchfleet.records import WorkerStatus
 
-from .classify import Cls, ServerView, WindowReport
+from .classify import ServerClass, ServerView, WindowReport
 from .fleet import FleetSnapshot
 from .pilotstate import Phase, PilotState
 
 __all__ = ["phase_line", "render"]
 
-PROBLEM = {Cls.CLIENT_BOUND, Cls.HUNG, Cls.DOWN, Cls.KV_BOUND, Cls.SILENT}
-STYLE = {Cls.MAMBA_BOUND: "yellow", Cls.CLIENT_BOUND: "magenta", Cls.KV_BOUND: "cyan", Cls.DOWN: "red",
-         Cls.HUNG: "red", Cls.SILENT: "red", Cls.SATURATED: "green", Cls.DRAINING: "dim", Cls.IDLE: "dim",
-         Cls.RESTARTING: "blue"}
+_C = ServerClass
+PROBLEM = {_C.CLIENT_BOUND, _C.HUNG, _C.DOWN, _C.KV_BOUND, _C.SILENT}
+STYLE = {_C.MAMBA_BOUND: "yellow", _C.CLIENT_BOUND: "magenta", _C.KV_BOUND: "cyan", _C.DOWN: "red", _C.HUNG: "red",
+         _C.SILENT: "red", _C.SATURATED: "green", _C.DRAINING: "dim", _C.IDLE: "dim", _C.RESTARTING: "blue"}
 GAP = 2
 
 
@@ -125,10 +125,11 @@ def render(snap: FleetSnapshot, *, classes: dict[str, str] | None = None, report
         parts.append(Text(f"host {host}: all its GPUs are slower than the other hosts': " + "; ".join(why),
                           style="red"))
     servers = report.servers if report is not None else []
-    stalled = [v for v in servers if v.cls == Cls.MAMBA_BOUND]
+    stalled = [v for v in servers if v.cls == ServerClass.MAMBA_BOUND]
     if stalled:  # the autopilot's business: one line for all of them
-        parts.append(Text(f"{', '.join(v.label for v in stalled)} {Cls.MAMBA_BOUND}: {'; '.join(stalled[0].reasons)}",
-                          style=STYLE[Cls.MAMBA_BOUND]))
+        names = ", ".join(v.label for v in stalled)
+        parts.append(Text(f"{names} {ServerClass.MAMBA_BOUND}: {'; '.join(stalled[0].reasons)}",
+                          style=STYLE[ServerClass.MAMBA_BOUND]))
     for v in servers:
         said = []
         if v.cls in PROBLEM:

@@ -33,8 +33,9 @@ from batchfleet.fleetview import read_fleet_view
 from batchfleet.jobs import job_data, job_id_for, prompt_wire
 from batchfleet.keys import RQ_QUEUES, Keys
 
+from .plan import Dealer, PlanRow
 from .scripts import FEED
-from .store import State, Store
+from .store import Store
 
 __all__ = ["DrainMeter", "FeedSummary", "Feeder", "feed_pass", "window_target"]
 
@@ -95,6 +96,7 @@ class Feeder:
         self.r = r
         self.store = store
         self.keys = Keys(config.run)
+        self.dealer = Dealer()  # the plan's units and which queue each goes to (affinity while it lives)
 
     def targets(self, queues: list[str], capacity: dict[str, int], meter: DrainMeter | None) -> dict[str, int]:
         return {q: window_target(self.config, capacity.get(q, 0), meter.rate(q) if meter else 0.0) for q in queues}
@@ -111,7 +113,8 @@ class Feeder:
         return self.feed({q: max(0, targets[q] - n) for q, n in zip(queues, lengths, strict=True)})
 
     def feed(self, deficits: dict[str, int]) -> FeedSummary:
-        """Feed up to `deficits[q]` prompts to each queue q, longest expected work first."""
+        """Feed up to `deficits[q]` prompts to each queue q, in the store's order: the plan's, as units
+        (a unit may take a queue past its deficit), else longest expected work first, dealt in turn."""
         out = FeedSummary(fed={q: 0 for q in deficits})
         left = {q: n for q, n in deficits.items() if n > 0}
         while left:
@@ -119,36 +122,52 @@ class Feeder:
                 rows = self.store.next_to_feed(min(FEED_BATCH, sum(left.values())))
                 if not rows:
                     return out
-                groups: dict[str, list[tuple[int, str, str, bytes, str]]] = {q: [] for q in left}
-                order, i = list(left), 0
-                for row in rows:
-                    while left[order[i % len(order)]] == 0:
-                        i += 1
-                    q = order[i % len(order)]
-                    groups[q].append(row)
-                    left[q] -= 1
-                    i += 1
-                groups = {q: g for q, g in groups.items() if g}
-                _, present, per_queue = self._write_jobs(groups)
-                self.store.set_state([row[0] for g in groups.values() for row in g], State.WAITING, State.FED)
+                dealt = self._deal(rows, left)
+                taken = {q: sum(len(u) for u in units) for q, units in dealt.items()}
+                _, present, per_queue = self._write_jobs(dealt)
+                self.store.fed_rows(rows[:sum(taken.values())])
             out.present += present
-            for q, n in zip(groups, per_queue, strict=True):
+            for q, n in zip(dealt, per_queue, strict=True):
                 out.fed[q] += n
+                left[q] -= taken[q]
             left = {q: n for q, n in left.items() if n > 0}
         return out
 
-    def _write_jobs(self, groups: dict[str, list[tuple[int, str, str, bytes, str]]]) -> tuple[int, int, list[int]]:
+    def _deal(self, rows: list[PlanRow], left: dict[str, int]) -> dict[str, list[list[tuple[PlanRow, str]]]]:
+        """queue -> its share of `rows` (a prefix of them in all), as (row, unit) lists: the plan's units
+        (`plan.Dealer`), or without a plan one row at a time, in turn."""
+        if rows[0].pos:  # in plan order
+            dealt = self.dealer.deal(self.dealer.units(rows), left)
+            return {q: [[(row, u.grp) for row in u.rows] for u in units] for q, units in dealt.items() if units}
+        out: dict[str, list[list[tuple[PlanRow, str]]]] = {q: [] for q in left}
+        room, order, i = dict(left), list(left), 0
+        for row in rows:
+            while room[order[i % len(order)]] == 0:
+                i += 1
+            q = order[i % len(order)]
+            out[q].append([(row, "")])
+            room[q] -= 1
+            i += 1
+            if not any(room.values()):
+                break
+        return {q: g for q, g in out.items() if g}
+
+    def _write_jobs(self, dealt: dict[str, list[list[tuple[PlanRow, str]]]]) -> tuple[int, int, list[int]]:
         k, run = self.keys, self.config.run
         jobs: list[str] = []
-        data: list[bytes] = []
-        for g in groups.values():
-            for seq, cid, url, body, fp in g:
-                jobs.append(Keys.job(job_id_for(run, cid)))
-                data.append(job_data(prompt_wire(cid, seq, url, orjson.Fragment(body), fp=fp, run=run)))
+        argv: list[bytes | str] = []
+        counts: list[int] = []
+        for units in dealt.values():
+            counts.append(sum(len(u) for u in units))
+            for unit in units:
+                for row, grp in unit:
+                    jobs.append(Keys.job(job_id_for(run, row.cid)))
+                    argv += (job_data(prompt_wire(row.cid, row.seq, row.url, orjson.Fragment(row.body), fp=row.fp,
+                                                  run=run)), grp)
         added, present, *per_queue = FEED.call(
             self.r, keys={"done": k.done, "stats": k.stats, "queue_index": RQ_QUEUES,
-                          "queues": [Keys.queue(q) for q in groups], "jobs": jobs},
-            args={"names": list(groups), "counts": [len(g) for g in groups.values()], "data": data})
+                          "queues": [Keys.queue(q) for q in dealt], "jobs": jobs},
+            args={"names": list(dealt), "counts": counts, "jobs_argv": argv})
         return int(added), int(present), [int(n) for n in per_queue]
 
 

@@ -23,7 +23,7 @@ from batchfleet.scripts import Each, Script
 __all__ = ["CANCEL", "CHECK", "EXPIRE", "EXPIRE_FAILED", "FEED", "RUN_JOBS", "TAKE_FAILED", "TRIM"]
 
 FEED = Script("producer", "feed", keys=("done", "stats", "queue_index", Each("queues"), Each("jobs")),
-              argv=(Each("names"), Each("counts"), Each("data")))  # names, counts: one per queue; data: per job
+              argv=(Each("names"), Each("counts"), Each("jobs_argv", "data", "grp")))  # names, counts: per queue
 CHECK = Script("producer", "check", keys=("done", Each("jobs")))
 TAKE_FAILED = Script("producer", "take_failed", keys=("done", Each("jobs", "job", "failed", "results")))
 TRIM = Script("producer", "trim", keys=("done", Each("jobs")), argv=(Each("stubs"),))  # a stub per job

@@ -51,7 +51,8 @@ from typing import NamedTuple
 from batchfleet.records import ENDPOINTS
 
 from .fingerprint import FileFingerprint, canonical, canonical_request, fingerprint
-from .storefile import SCHEMA_VERSION, connect, create, migrate_2
+from .plan import PlanRow
+from .storefile import READABLE, SCHEMA_VERSION, connect, create, migrate
 
 __all__ = ["UNBOUNDED_COST", "FileFingerprint", "Input", "Known", "MissingStore", "Span", "State", "Store",
            "StoreError", "canonical", "canonical_request", "fingerprint"]
@@ -59,10 +60,11 @@ __all__ = ["UNBOUNDED_COST", "FileFingerprint", "Input", "Known", "MissingStore"
 UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so it goes first
 _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 FEED_ORDER = "feed_order"  # meta key: "input" feeds older inputs first (see `order_feed_by_input`)
+PLAN, PLAN_STALE, PLAN_CURSOR = "plan", "plan_stale", "plan_cursor"  # meta keys of the `Plan`
 _WAITING_BY_INPUT = "CREATE INDEX IF NOT EXISTS prompts_waiting_input ON prompts(file, cost DESC, seq) WHERE state = 0"
 _FAILED_RESULTS = "CREATE INDEX IF NOT EXISTS results_failed ON results(seq) WHERE ok = 0"  # `counts_in` reads it
 
-_INSERT = "INSERT OR IGNORE INTO prompts (cid, ep, body, file, line, cost, fp) VALUES (?, ?, ?, ?, ?, ?, ?)"
+_INSERT = "INSERT OR IGNORE INTO prompts (cid, ep, body, file, line, cost, fp, pk) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 
 class Known(NamedTuple):
     """A prompt the store holds, as enqueue compares a line with it."""
@@ -232,13 +234,14 @@ class Store(StoreReads):
         self.path = path
         self.readonly = readonly
         meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
-        if meta.get("schema") == "2" and not readonly:
-            meta["schema"] = migrate_2(db)
-        if meta.get("schema") not in (SCHEMA_VERSION, "2"):  # 2 is read as it is where it cannot be migrated
+        if meta.get("schema") in READABLE and meta["schema"] != SCHEMA_VERSION and not readonly:
+            meta["schema"] = migrate(db, meta["schema"])
+        if meta.get("schema") not in READABLE:  # an older layout is read as it is where it cannot be migrated
             db.close()
             raise StoreError(f"{path} was made by another version of batchfleet (store layout "
                              f"{meta.get('schema', '1')}, this one reads {SCHEMA_VERSION})")
         self.schema: str = meta["schema"]
+        self.plan = Plan(self)
         self.id: str = meta["store_id"]
         self.run: str = meta["run"]
         self.created: float = float(meta["created"])
@@ -308,6 +311,8 @@ class Store(StoreReads):
         if delta:  # an upsert: a store made before a state existed has no row for it
             self.db.execute("INSERT INTO tally (name, n) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET n = n + ?",
                             (name, delta, delta))
+            if name == "waiting" and delta > 0:  # prompts the plan does not order yet
+                self.plan.stale()
 
     def _among(self, sql: str, values: Sequence[object]) -> list[tuple]:
         rows: list[tuple] = []
@@ -335,9 +340,11 @@ class Store(StoreReads):
     def max_seq(self) -> int:
         return self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM prompts").fetchone()[0]
 
-    def insert_prompts(self, rows: Sequence[tuple[str, int, bytes, int, int, int, bytes]]) -> int:
-        """(cid, ep, body, file, line, cost, fp), each a new WAITING prompt unless its cid is known (then
-        nothing changes). Returns how many were inserted."""
+    def insert_prompts(self, rows: Sequence[tuple[str, int, bytes, int, int, int, bytes, bytes | None]]) -> int:
+        """(cid, ep, body, file, line, cost, fp, pk), each a new WAITING prompt unless its cid is known
+        (then nothing changes); `pk` its plan key (`plan.prefix_key`). Returns how many were inserted."""
+        if rows and len(rows[0]) == 7:  # MERGE: until enqueue and serve give a plan key
+            rows = [(*r, None) for r in rows]  # type: ignore[misc]
         n = self.db.executemany(_INSERT, rows).rowcount
         self._tally("waiting", n)
         return n
@@ -349,8 +356,9 @@ class Store(StoreReads):
         return {c: Known(s, f, ln, st, fp if fp is not None else fingerprint(ENDPOINTS[ep], body))
                 for c, s, f, ln, st, fp, ep, body in rows}
 
-    def replace_requests(self, rows: Sequence[tuple[int, int, bytes, int, int, int, bytes]]) -> list[tuple[int, str]]:
-        """`enqueue --rerun-changed`: (seq, ep, body, file, line, cost, fp) replace those prompts' requests.
+    def replace_requests(self, rows: Sequence[tuple[int, int, bytes, int, int, int, bytes, bytes | None]]
+                         ) -> list[tuple[int, str]]:
+        """`enqueue --rerun-changed`: (seq, ep, body, file, line, cost, fp, pk) replace those prompts' requests.
         A prompt with a result loses it and waits again; a waiting one waits with its new request; a
         FED one stays FED: the result of its old request is refused when it comes (its fingerprint is
         not the new one) and the prompt is fed again then. Every one is listed in `reruns`. Returns
@@ -358,8 +366,11 @@ class Store(StoreReads):
         if not rows:
             return []
         seqs = [row[0] for row in rows]
-        self.db.executemany("UPDATE prompts SET ep = ?, body = ?, file = ?, line = ?, cost = ?, fp = ? WHERE seq = ?",
-                            [(*row[1:], row[0]) for row in rows])
+        if len(rows[0]) == 7:  # MERGE: until enqueue gives a plan key
+            rows = [(*r, None) for r in rows]  # type: ignore[misc]
+        self.db.executemany("UPDATE prompts SET ep = ?, body = ?, file = ?, line = ?, cost = ?, fp = ?, pk = ? "
+                            "WHERE seq = ?", [(*row[1:], row[0]) for row in rows])
+        self.plan.stale()  # waiting ones keep their place in the plan under a new key
         self.db.executemany("INSERT OR IGNORE INTO reruns (seq) VALUES (?)", [(s,) for s in seqs])
         had = self._among("SELECT r.seq, r.ok, p.cid, p.state FROM results r JOIN prompts p ON p.seq = r.seq "
                           "WHERE r.seq IN ({})", seqs)
@@ -383,15 +394,25 @@ class Store(StoreReads):
         self.db.execute(_FAILED_RESULTS)
         self.db.execute("DROP INDEX IF EXISTS prompts_waiting")
         self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, 'input')", (FEED_ORDER,))
+        self.plan.stale()
 
-    def next_to_feed(self, limit: int) -> list[tuple[int, str, str, bytes, str]]:
-        """(seq, cid, url, body, fp) of up to `limit` WAITING prompts: longest expected work first (in a
-        store ordered by input: the oldest input's first, longest first within it). `fp` is the
-        fingerprint in hex ("" for a row made before fingerprints)."""
+    def next_to_feed(self, limit: int) -> list[PlanRow]:
+        """Up to `limit` WAITING prompts in the order this store feeds them: the plan's (producer/plan.py),
+        else longest expected work first (in a store ordered by input: the oldest input's first, longest
+        first within it)."""
+        if self.plan.on:
+            return self.plan.next(limit)
         rows = self.db.execute(
             f"SELECT seq, cid, ep, body, fp FROM prompts WHERE state = 0 ORDER BY {self._waiting_order()} LIMIT ?",
             (limit,))
-        return [(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "") for seq, cid, ep, body, fp in rows]
+        return [PlanRow(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "") for seq, cid, ep, body, fp in rows]
+
+    def fed_rows(self, rows: Sequence[PlanRow]) -> int:
+        """These prompts (a prefix of what `next_to_feed` gave, in its order) are in Redis now: FED, and
+        the plan goes on after them. Returns how many moved."""
+        if rows and self.plan.on:
+            self.plan.advance(rows[-1].pos)
+        return self.set_state([row.seq for row in rows], State.WAITING, State.FED)
 
     def set_state(self, seqs: Sequence[int], old: State, new: State) -> int:
         """Move the prompts `seqs` that are in state `old` to `new`; returns how many moved."""
@@ -481,3 +502,53 @@ class Store(StoreReads):
                            "WHERE p.state = 2 AND r.ok = 0 AND p.cid IN ({})", list(cids))
         return self.set_state([seq for (seq,) in rows], State.DONE, State.WAITING)
 
+
+
+class Plan:
+    """The store's feed order (producer/plan.py): the `plan` table holds the waiting prompts' seqs in
+    the order they are fed (its `pos`), built in one sorted pass by SQLite (`rebuild`) whenever prompts
+    became WAITING since (`stale`: an enqueue, a rerun, a refeed), and read on from a cursor
+    (`advance`). `batchfleet run --no-plan` (meta `plan` = off) feeds by expected work alone."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.db = store.db
+
+    @property
+    def on(self) -> bool:
+        return self.store.schema == SCHEMA_VERSION and self.store.get_meta(PLAN) != "off"
+
+    def turn(self, on: bool) -> None:
+        """Feed by the plan or not, from now on (inside write())."""
+        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (PLAN, "on" if on else "off"))
+        self.stale()
+
+    def stale(self) -> None:
+        if self.store.schema == SCHEMA_VERSION:
+            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, '1')", (PLAN_STALE,))
+
+    def rebuild(self) -> int:
+        """Order the waiting prompts anew: longest expected work first, then by plan key (prompts that
+        share a prefix side by side), then input order; a store ordered by input keeps its inputs in
+        order first. Returns how many are planned."""
+        order = "file, cost DESC, pk, seq" if self.store.get_meta(FEED_ORDER) == "input" else "cost DESC, pk, seq"
+        self.db.execute("DELETE FROM plan")
+        n = self.db.execute(f"INSERT INTO plan (seq) SELECT seq FROM prompts WHERE state = 0 ORDER BY {order}").rowcount
+        self.db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                            [(PLAN_CURSOR, "0"), (PLAN_STALE, "0")])
+        return n
+
+    def next(self, limit: int) -> list[PlanRow]:
+        """Up to `limit` WAITING prompts after the cursor, in plan order (rebuilt first when stale)."""
+        if self.store.get_meta(PLAN_STALE) != "0":
+            self.rebuild()
+        cursor = int(self.store.get_meta(PLAN_CURSOR) or 0)
+        rows = self.db.execute(
+            "SELECT p.seq, p.cid, p.ep, p.body, p.fp, plan.pos FROM plan JOIN prompts p ON p.seq = plan.seq "
+            "WHERE plan.pos > ? AND p.state = 0 ORDER BY plan.pos LIMIT ?", (cursor, limit))
+        return [PlanRow(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "", pos)
+                for seq, cid, ep, body, fp, pos in rows]
+
+    def advance(self, pos: int) -> None:
+        """The prompts up to `pos` are fed: the next read starts after it."""
+        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (PLAN_CURSOR, str(pos)))

@@ -1,8 +1,8 @@
 """The store's file: its tables, how a new one is made, how an old layout is brought up to date.
 
 The layout is `store.py`'s docstring. A new store is made in a private file beside its path, then
-linked into place (`create`), so whoever opens the path finds a whole store or no file. A store of
-layout 2 is migrated in place by the first writer that opens it (`migrate_2`).
+linked into place (`create`), so whoever opens the path finds a whole store or no file. A store of an
+older layout is migrated in place by the first writer that opens it (`migrate`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import orjson
 from batchfleet.records import Result
 from batchfleet.redact import private_dir
 
-__all__ = ["PAGE_SIZE", "SCHEMA_VERSION", "connect", "create", "migrate_2"]
+__all__ = ["PAGE_SIZE", "READABLE", "SCHEMA_VERSION", "connect", "create", "migrate"]
 
-SCHEMA_VERSION = "3"  # 3: request fingerprints, reruns, input files' paths and fingerprints
+SCHEMA_VERSION = "4"  # 3: request fingerprints, reruns, input files' paths and fingerprints; 4: the plan
 # Pages of a new store: 16 KiB, not SQLite's 4 KiB. An enqueue (a serve batch) writes its prompts in big
 # transactions; with a quarter of the pages to link, checksum and append to the WAL, storing 50,000
 # requests of ~260 B takes ~25% less time (a store made before keeps its pages).
 PAGE_SIZE = 16384
+READABLE = ("2", "3", SCHEMA_VERSION)  # layouts read as they are where they cannot be migrated (read-only)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
@@ -41,7 +42,8 @@ CREATE TABLE IF NOT EXISTS prompts (
     line INTEGER NOT NULL,
     cost INTEGER NOT NULL,
     state INTEGER NOT NULL DEFAULT 0,
-    fp BLOB
+    fp BLOB,
+    pk BLOB
 );
 CREATE INDEX IF NOT EXISTS prompts_waiting ON prompts(cost DESC, seq) WHERE state = 0;
 CREATE INDEX IF NOT EXISTS prompts_fed ON prompts(seq) WHERE state = 1;
@@ -50,6 +52,7 @@ CREATE TABLE IF NOT EXISTS results (
 );
 CREATE TABLE IF NOT EXISTS tally (name TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS reruns (seq INTEGER PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS plan (pos INTEGER PRIMARY KEY, seq INTEGER NOT NULL);
 INSERT OR IGNORE INTO tally (name, n) VALUES ('waiting', 0), ('fed', 0), ('done', 0), ('ok', 0), ('cancelled', 0);
 """
 
@@ -61,6 +64,12 @@ ALTER TABLE files ADD COLUMN fp TEXT;
 ALTER TABLE files ADD COLUMN prompts INTEGER;
 ALTER TABLE files ADD COLUMN enqueued_at REAL;
 CREATE TABLE IF NOT EXISTS reruns (seq INTEGER PRIMARY KEY);
+"""
+
+# Schema 3 -> 4: the prefix plan (producer/plan.py). Old rows keep pk NULL: they sort together, first.
+_MIGRATE_3 = """
+ALTER TABLE prompts ADD COLUMN pk BLOB;
+CREATE TABLE IF NOT EXISTS plan (pos INTEGER PRIMARY KEY, seq INTEGER NOT NULL);
 """
 
 
@@ -112,28 +121,42 @@ def connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
     return db
 
 
-def migrate_2(db: sqlite3.Connection) -> str:
-    """Schema 2 -> 3 in one transaction (another process may have done it meanwhile): the
-    fingerprint columns, and the export lines of HTTP errors in OpenAI's shape."""
+def migrate(db: sqlite3.Connection, schema: str) -> str:
+    """Bring a store of layout `schema` up to this one, in one transaction (another process may have
+    done it meanwhile); returns the layout it has then."""
     db.execute("BEGIN IMMEDIATE")
     try:
-        if db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0] == "2":
-            for statement in _MIGRATE_2.split(";"):
-                if statement.strip():
-                    db.execute(statement)
-            fixed = []
-            for seq, raw in db.execute("SELECT seq, line FROM results WHERE ok = 0").fetchall():
-                line = orjson.loads(raw)
-                resp, err = line.get("response"), line.get("error")
-                if isinstance(resp, dict) and isinstance(err, dict) and isinstance(resp.get("status_code"), int):
-                    # the one definition of an export line; the server's body was not kept then
-                    res = Result(cid=line["custom_id"], jid=str(resp.get("request_id")), seq=seq,
-                                 status_code=resp["status_code"], body=resp.get("body"), error=err)
-                    fixed.append((orjson.dumps(res.batch_output_line()), seq))
-            db.executemany("UPDATE results SET line = ? WHERE seq = ?", fixed)
-            db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (SCHEMA_VERSION,))
+        schema = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0]
+        if schema == "2":
+            _migrate_2(db)
+            schema = "3"
+        if schema == "3":
+            _run(db, _MIGRATE_3)
+            schema = "4"
+        db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (schema,))
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
         raise
-    return SCHEMA_VERSION
+    return schema
+
+
+def _run(db: sqlite3.Connection, script: str) -> None:
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
+def _migrate_2(db: sqlite3.Connection) -> None:
+    """Schema 2 -> 3: the fingerprint columns, and the export lines of HTTP errors in OpenAI's shape."""
+    _run(db, _MIGRATE_2)
+    fixed = []
+    for seq, raw in db.execute("SELECT seq, line FROM results WHERE ok = 0").fetchall():
+        line = orjson.loads(raw)
+        resp, err = line.get("response"), line.get("error")
+        if isinstance(resp, dict) and isinstance(err, dict) and isinstance(resp.get("status_code"), int):
+            # the one definition of an export line; the server's body was not kept then
+            res = Result(cid=line["custom_id"], jid=str(resp.get("request_id")), seq=seq,
+                         status_code=resp["status_code"], body=resp.get("body"), error=err)
+            fixed.append((orjson.dumps(res.batch_output_line()), seq))
+    db.executemany("UPDATE results SET line = ? WHERE seq = ?", fixed)

@@ -37,7 +37,7 @@ def test_drain_meter_measures_per_queue_and_restarts_when_counters_go_back() -> 
 def test_feed_deals_longest_first_over_the_short_queues(r: redis.Redis, tmp_path: Path) -> None:
     store = Store.create_or_open(tmp_path / "t.sqlite", run="t")
     with store.write():
-        store.insert_prompts([(f"c{i}", 1, orjson.dumps({"prompt": "x", "max_tokens": i}), 1, i + 1, i, b"")
+        store.insert_prompts([(f"c{i}", 1, orjson.dumps({"prompt": "x", "max_tokens": i}), 1, i + 1, i, b"", None)
                               for i in range(1, 11)])
     feeder = Feeder(Config(run="t"), r, store)
     out = feeder.feed({"gpu0": 3, "gpu1": 1, "gpu2": 0})

@@ -270,7 +270,7 @@ def test_a_store_made_before_fingerprints_keeps_working_and_is_migrated(cli: Cli
     assert rc == 0, err
     assert summary(out) == (2, "0 new, 1 already in the store, 1 already finished, 0 rejected, 0 duplicates")
     store = Store.open(path, run=RUN, readonly=True)
-    assert store.schema == "3" and [i.fp for i in store.inputs()] != []
+    assert store.schema == "4" and [i.fp for i in store.inputs()] != []  # migrated to this layout
     (line,) = [orjson.loads(x) for x in (line for _, line in store.result_rows())]
     assert line == {"id": f"batch_req_{jid}", "custom_id": "p0", "error": None, "response": {
         "status_code": 400, "request_id": jid, "body": {"error": {"message": "HTTP 400: too long"}}}}

@@ -532,7 +532,6 @@ def test_an_idle_connection_is_given_up_before_the_servers_keep_alive_timeout() 
         try:
             assert (await pool.post("/ok", b"{}"))[0] == 200
             await asyncio.wait_for(srv.closed_by_client.wait(), 10)  # the sweep closed it, unasked
-            assert pool.open_connections == 0
             assert (await pool.post("/ok", b"{}"))[0] == 200
         finally:
             await pool.aclose()

@@ -24,12 +24,12 @@ from producer.store import (
 )
 
 
-def rows(n: int, *, start: int = 0, file_id: int = 1) -> list[tuple[str, int, bytes, int, int, int, bytes]]:
+def rows(n: int, *, start: int = 0, file_id: int = 1) -> list[tuple[str, int, bytes, int, int, int, bytes, None]]:
     out = []
     for i in range(start, start + n):
         body = {"prompt": f"p{i}", "max_tokens": 16 * (i % 3 + 1)}
         out.append((f"c{i}", 1, orjson.dumps(body), file_id, i + 1, 16 * (i % 3 + 1),
-                    fingerprint("/v1/completions", body)))
+                    fingerprint("/v1/completions", body), None))  # no plan key: nothing to group
     return out
 
 

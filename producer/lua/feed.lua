@@ -3,22 +3,28 @@
 -- run's `done` set (finished, result not yet collected); otherwise its hash is written in RQ 2.12's
 -- layout, lean: `data`, `origin`, `status`, the fields RQ needs (`Job.restore` requires `data`,
 -- `rq requeue` the `origin`, `Job.get_status` the `status`; the rest have defaults), and its id is
--- queued. Jobs come grouped by queue: `counts[q]` jobs (and data) for `queues[q]`, named `names[q]`.
+-- queued. Jobs come grouped by queue: `counts[q]` jobs (and data) for `queues[q]`, named `names[q]`. A job's
+-- `grp` (its plan unit, producer/plan.py; '' without a plan) is kept in its hash: a worker stealing from
+-- another GPU's queue takes whole units (worker/lua/claim.lua).
 -- -> {new jobs, jobs already present, new jobs per queue...}
-local added, present, k, a, per_queue = 0, 0, jobs_first, data_first, {}
+local added, present, k, a, per_queue = 0, 0, jobs_first, jobs_argv_first, {}
 for q = 0, queues_last - queues_first do
   local name, ids = ARGV[names_first + q], {}
   per_queue[q + 1] = 0
   for _ = 1, tonumber(ARGV[counts_first + q]) do
     local jid = job_id(KEYS[k])
     if redis.call('EXISTS', KEYS[k]) == 0 and redis.call('SISMEMBER', done, jid) == 0 then
-      redis.call('HSET', KEYS[k], 'data', ARGV[a], 'origin', name, 'status', 'queued')
+      if ARGV[a + 1] == '' then
+        redis.call('HSET', KEYS[k], 'data', ARGV[a], 'origin', name, 'status', 'queued')
+      else
+        redis.call('HSET', KEYS[k], 'data', ARGV[a], 'origin', name, 'status', 'queued', 'grp', ARGV[a + 1])
+      end
       ids[#ids + 1] = jid
     else
       present = present + 1
     end
     k = k + 1
-    a = a + 1
+    a = a + 2
   end
   if #ids > 0 then
     -- unpack in slices: Lua's C stack takes a few thousand values at most

@@ -1,5 +1,6 @@
 -- Claim up to `n` jobs: first (take_solo = '1') one prompt that must run alone, which then comes
--- alone; else a group of up to `suspects` suspects (0: none), then the queues in order; if the queues
+-- alone; else a group of up to `suspects` suspects (0: none), then the queues in order (the first is
+-- the worker's own; from the others, whole plan units from their tails, see steal_units); if the queues
 -- left slots empty, the group grows to up to `suspects_dry`. Each claimed job is marked started (RQ's
 -- fields), entered in its origin's started registry and leased, on Redis's clock.
 -- -> flat (jid, origin, data, kind) per claimed job, kind 'normal', 'suspect' or 'solo'.
@@ -34,9 +35,28 @@ local group, group_dry = math.min(tonumber(suspects_n), want), math.min(tonumber
 local grouped = 0
 while grouped < group and pop_one(suspects, 'suspect') do grouped = grouped + 1 end
 taken = grouped
+-- Another GPU's queue whose tail holds a unit of the prefix plan (its jobs carry `grp`): whole units
+-- from its tail, as many as `room` holds (the front is what its own worker takes next); a unit is split
+-- only when it is all that queue has within reach. A tail of no unit: nil (taken from the front).
+local function steal_units(list, room)
+  local ids = redis.call('LRANGE', list, -room, -1)
+  local n = #ids
+  if n == 0 then return nil end
+  local grps = {}
+  for j = 1, n do grps[j] = redis.call('HGET', job_key(ids[j]), 'grp') or false end
+  if not grps[n] then return nil end
+  local cut = 1
+  if grps[1] and redis.call('LLEN', list) > n then  -- the range may begin inside a unit: leave it whole
+    local j = 1
+    while j <= n and grps[j] == grps[1] do j = j + 1 end
+    if j <= n then cut = j end
+  end
+  return redis.call('RPOP', list, n - cut + 1)
+end
 for i = queues_first, queues_last do
   if taken >= want then break end
-  local ids = redis.call('LPOP', KEYS[i], want - taken)
+  local ids = i > queues_first and steal_units(KEYS[i], want - taken) or nil
+  if ids == nil then ids = redis.call('LPOP', KEYS[i], want - taken) end
   if ids then
     for _, jid in ipairs(ids) do
       if take(jid, ARGV[queue_names_first + i - queues_first], 'normal') then taken = taken + 1 end

@@ -1,0 +1,207 @@
+"""The prefix plan: feed prompts that share a prefix together, to one server, so each server prefills a
+shared document, template or system prompt once and reuses it from its radix cache.
+
+SGLang's radix cache reuses a prefix only on the server that holds it, and only while it is still in
+its memory. The whole job is in the store before it runs, so the head can order it globally:
+
+- **A key per prompt** (`prefix_key`, at enqueue, no tokenizer): the request's conversation as the
+  store holds it (its canonical JSON from `"messages"`, `"prompt"` or `"input"` on: everything a server
+  renders after the fixed part of its template) is hashed at anchors of growing length (256 B, 384 B,
+  512 B, ... 128 KiB: ~1.5x apart), each component a 16-bit slice of the running CRC-32 up to that
+  anchor, the chain seeded by the model (a LoRA adapter's prompts are cached apart). Prompts sharing
+  a prefix up to an anchor share the key's components up to it, so sorting by key puts them next to
+  each other, the longest shared prefixes innermost. The key stops at the last anchor within the
+  conversation: what follows it cannot make prompts share more, and is not hashed.
+- **The order** (`Store.plan`): the waiting prompts sorted by (longest expected work first, key, input
+  order), built once after an enqueue in one sorted pass of SQLite's (bounded memory).
+- **Units and their servers** (`Dealer`, at feed time): consecutive prompts whose common prefix is at
+  least `SHARED_MIN` bytes form a unit (at most `unit_max` prompts); a unit goes whole to one queue:
+  of the queues with room, the one whose last prompt shares the longest prefix with it (a template
+  whose prompts outnumber a window keeps to the server that holds it), else the next one in turn.
+  Each job carries its unit (`grp`), so a worker stealing from another GPU's queue takes whole units
+  from its tail (`worker/lua/claim.lua`), splitting one only when it is all that queue has left.
+- **What it predicts**: per queue, the bytes of each prompt's conversation it shares with the prompt
+  fed to the same queue before it (`shared`) against all its bytes (`total`): the share of prefill the
+  servers can skip, which the supervisor weighs against what the radix cache costs (mamba slots).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+__all__ = ["ANCHORS", "SHARED_MIN", "Dealer", "PlanRow", "Unit", "common_prefix", "conversation", "prefix_key"]
+
+# Bytes of the conversation at which the key takes a component: ~1.5x apart, so a shared prefix is
+# resolved to within a factor of 1.5 of its length, up to 128 KiB (~32K tokens).
+ANCHORS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152,
+           65536, 98304, 131072)
+# Where the conversation starts in a canonical body (keys sorted: these come after "max_tokens" & co.).
+_STARTS = (b'"messages":', b'"prompt":', b'"input":')
+# A prefix shorter than this is not worth keeping prompts together for (about 128 tokens).
+SHARED_MIN = 512
+
+
+def _start(canon: bytes) -> int:
+    for marker in _STARTS:
+        at = canon.find(marker)
+        if at >= 0:
+            return at
+    return 0
+
+
+def conversation(canon: bytes) -> bytes:
+    """The part of a canonical body a server renders after its template's fixed start: from its
+    `messages` (chat), `prompt` (completions) or `input` (embeddings) on."""
+    return canon[_start(canon):]
+
+
+_SEEDS: dict[str, int] = {}
+_PACK = [struct.Struct(f">{n}H") for n in range(len(ANCHORS) + 1)]
+
+
+def prefix_key(canon: bytes, model: str = "") -> bytes:
+    """The prompt's plan key (see the module doc): 2 bytes per anchor within its conversation. A
+    conversation shorter than the first anchor has an empty key: nothing of it is worth grouping."""
+    at = _start(canon)
+    text = memoryview(canon)[at:]
+    n = len(text)
+    if n < ANCHORS[0]:
+        return b""
+    crc = _SEEDS.get(model)
+    if crc is None:
+        crc = zlib.crc32(model.encode())
+        if len(_SEEDS) < 1024:  # the models of a run are few; a run of many is only not cached
+            _SEEDS[model] = crc
+    parts = []
+    done = 0
+    crc32 = zlib.crc32
+    for anchor in ANCHORS:
+        if anchor > n:
+            break
+        crc = crc32(text[done:anchor], crc)
+        done = anchor
+        parts.append(crc & 0xFFFF)
+    return _PACK[len(parts)].pack(*parts)
+
+
+def common_prefix(a: bytes, b: bytes) -> int:
+    """How many leading bytes `a` and `b` share: blocks of 4 KiB compared at C speed, then a binary
+    search within the first block that differs."""
+    n = min(len(a), len(b))
+    i, step = 0, 4096
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    lo, hi = i, min(i + step, n)
+    if a[lo:hi] == b[lo:hi]:
+        return hi
+    hi -= 1  # a[i:lo] == b[i:lo]; a[i:hi + 1] != b[i:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[i:mid] == b[i:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class PlanRow(NamedTuple):
+    """A waiting prompt as the feed reads it, in plan order."""
+
+    seq: int
+    cid: str
+    url: str
+    body: bytes  # canonical JSON, as stored and sent
+    fp: str  # fingerprint, hex ("" for a row made before fingerprints)
+    pos: int = 0  # its place in the plan (0: fed without one)
+
+
+@dataclass(slots=True)
+class Unit:
+    """Prompts fed together to one queue; `grp` names it in their jobs (its first prompt's seq)."""
+
+    rows: list[PlanRow] = field(default_factory=list)
+    shared: list[int] = field(default_factory=list)  # bytes each row shares with the row before it
+
+    @property
+    def grp(self) -> str:
+        """"" for a unit of one prompt: nothing to keep together."""
+        return str(self.rows[0].seq) if len(self.rows) > 1 else ""
+
+
+@dataclass(slots=True)
+class _QueueLast:
+    conversation: bytes | None = None  # the last prompt fed to the queue (its conversation)
+
+
+class Dealer:
+    """Deals rows in plan order to queues as units (module doc). It remembers the last prompt each
+    queue got for as long as it lives (the head's life): affinity across feed passes."""
+
+    def __init__(self, unit_max: int = 64) -> None:
+        self.unit_max = unit_max
+        self.last: dict[str, _QueueLast] = {}
+        self.shared: dict[str, int] = {}  # queue -> bytes its prompts share with the one before them there
+        self.total: dict[str, int] = {}  # queue -> bytes of its prompts' conversations
+        self._turn = -1
+
+    def units(self, rows: Sequence[PlanRow]) -> list[Unit]:
+        """Cut rows (in plan order) into units: a unit grows while each row shares at least SHARED_MIN
+        bytes with the one before it, up to `unit_max` rows."""
+        out: list[Unit] = []
+        unit: Unit | None = None
+        prev: bytes | None = None
+        for row in rows:
+            text = conversation(row.body)
+            shared = common_prefix(prev, text) if prev is not None else 0
+            if unit is None or shared < SHARED_MIN or len(unit.rows) >= self.unit_max:
+                unit = Unit()
+                out.append(unit)
+            unit.rows.append(row)
+            unit.shared.append(shared)
+            prev = text
+        return out
+
+    def deal(self, units: Sequence[Unit], room: dict[str, int]) -> dict[str, list[Unit]]:
+        """Each unit, whole, to one queue with room (`room[q]`: prompts it may still take; a unit may
+        take a queue past it): the one whose last prompt shares the most with the unit's first, when
+        that is at least SHARED_MIN bytes, else the next with room in turn. Stops when no queue has
+        room; the units not dealt are the caller's to feed later."""
+        self._turn = -1
+        dealt: dict[str, list[Unit]] = {q: [] for q in room}
+        left = dict(room)
+        for unit in units:
+            open_ = [q for q, n in left.items() if n > 0]
+            if not open_:
+                break
+            first = conversation(unit.rows[0].body)
+            q = self._best(open_, first)
+            dealt[q].append(unit)
+            left[q] -= len(unit.rows)
+            self._account(q, unit, first)
+        return dealt
+
+    def _best(self, queues: list[str], first: bytes) -> str:
+        best, best_shared = None, SHARED_MIN - 1
+        for q in queues:
+            last = self.last.get(q)
+            if last is not None and last.conversation is not None:
+                shared = common_prefix(last.conversation, first)
+                if shared > best_shared:
+                    best, best_shared = q, shared
+        if best is not None:
+            return best
+        self._turn += 1  # nothing shared: the next queue with room, in turn (the longest work spreads out)
+        return queues[self._turn % len(queues)]
+
+    def _account(self, q: str, unit: Unit, first: bytes) -> None:
+        """The prediction: each row's shared bytes with the one fed to this queue before it."""
+        last = self.last.setdefault(q, _QueueLast())
+        lead = common_prefix(last.conversation, first) if last.conversation is not None else 0
+        shares = [lead, *unit.shared[1:]]
+        self.shared[q] = self.shared.get(q, 0) + sum(shares)
+        self.total[q] = self.total.get(q, 0) + sum(len(conversation(r.body)) for r in unit.rows)
+        last.conversation = conversation(unit.rows[-1].body)

@@ -65,7 +65,7 @@ from batchfleet.config import EVENT_LOOPS, Config  # noqa: E402
 from batchfleet.errors import RetryableError  # noqa: E402
 from batchfleet.keys import Keys  # noqa: E402
 from bench.instant import instant_backend  # noqa: E402
-from bench.redisproc import PrivateRedis  # noqa: E402
+from fleetrun.redisproc import PrivateRedis  # noqa: E402
 from producer.api import enqueue  # noqa: E402
 from producer.collect import collect_once  # noqa: E402
 from producer.export import export  # noqa: E402

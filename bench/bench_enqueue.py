@@ -44,7 +44,7 @@ from batchfleet.jobs import GENERATE
 from batchfleet.keys import FAILURE_TTL_S
 from batchfleet.records import Prompt, job_id_for
 from batchfleet.serializer import OrjsonSerializer
-from bench.redisproc import PrivateRedis
+from fleetrun.redisproc import PrivateRedis
 from producer.api import enqueue
 
 BIN = Path(sys.executable).parent

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchfleet.keys import Keys
 from batchfleet.records import Prompt, Result
-from bench.redisproc import PrivateRedis
+from fleetrun.redisproc import PrivateRedis
 from worker.ledger import Ledger, parse_job_data
 
 BIN = Path(sys.executable).parent

@@ -35,7 +35,7 @@ from batchfleet.config import Config
 from batchfleet.keys import Keys
 from bench.bench_enqueue import MIB, PeakRss, rq_enqueue_many, short_prompts, used
 from bench.instant import instant_backend
-from bench.redisproc import PrivateRedis
+from fleetrun.redisproc import PrivateRedis
 from producer.store import Store
 from worker.dispatcher import Dispatcher
 from worker.ledger import Ledger

@@ -36,7 +36,7 @@ from batchfleet.keys import Keys
 from bench.bench_enqueue import MIB, PeakRss, rq_enqueue_many, short_prompts, used
 from bench.instant import instant_backend
 from fleetrun.redisproc import PrivateRedis
-from producer.store import Store
+from producer.api import Store
 from worker.dispatcher import Dispatcher
 from worker.ledger import Ledger
 

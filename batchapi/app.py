@@ -15,11 +15,15 @@ Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`
 key, 404 for an object that does not exist or belongs to another key (the two are not told apart),
 400 for a bad request, 413 for an upload over the limit. A read (a poll) is answered from the
 registry's memory: no query, no store access.
+
+Nothing that waits on the disk runs on the event loop: an upload's writes and fsync and every commit
+of the registry (synchronous=FULL) run in a thread (`asyncio.to_thread`), and a handler answers once
+its thread is done, so what it acknowledged is on disk. A 100 MB upload stalls no other client.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -31,7 +35,7 @@ from aiohttp import web
 from .auth import ApiKeys
 from .engine import Engine, Limits
 from .objects import BATCH_PURPOSE, ENDPOINTS, WINDOWS, BatchRecord, BatchStatus, FileRecord, new_batch_id, new_file_id
-from .registry import Registry
+from .registry import Registry, Upload
 
 __all__ = ["MB", "make_app"]
 
@@ -113,35 +117,31 @@ class Api:
         purpose: str | None = None
         rec: FileRecord | None = None
         fid = new_file_id()
-        tmp = self.registry.temp_path(fid)
+        upload: Upload | None = None
         try:
             async for part in await request.multipart():
                 if part.name == "purpose":
                     purpose = (await part.read_chunk(1024)).decode(errors="replace").strip()  # type: ignore[union-attr]
                 elif part.name == "file" and rec is None:
                     size = 0
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                    try:
-                        while chunk := await part.read_chunk(CHUNK):  # type: ignore[union-attr]
-                            size += len(chunk)
-                            if size > limit:
-                                return self._too_big()
-                            os.write(fd, chunk)
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                    upload = await asyncio.to_thread(Upload, self.registry, fid)
+                    while chunk := await part.read_chunk(CHUNK):  # type: ignore[union-attr]
+                        size += len(chunk)
+                        if size > limit:
+                            return self._too_big()
+                        await asyncio.to_thread(upload.write, chunk)
                     rec = FileRecord(id=fid, owner=request["owner"], filename=part.filename or "upload.jsonl",
                                      bytes=size, purpose="", created_at=int(time.time()))
-            if rec is None:
+            if rec is None or upload is None:
                 return error(400, "the upload has no `file` field", param="file")
             if purpose != BATCH_PURPOSE:
                 return error(400, f"purpose {purpose!r}: batchfleet serve keeps files for the Batch API only "
                                   "(purpose=batch)", param="purpose")
             rec = replace(rec, purpose=purpose)
-            os.replace(tmp, self.registry.file_path(fid))
-            self.registry.add_file(rec)
+            await asyncio.to_thread(upload.keep, rec)  # synced, in place, committed: then acknowledged
         finally:
-            tmp.unlink(missing_ok=True)
+            if upload is not None:
+                await asyncio.to_thread(upload.discard)
         return _json(rec.to_api())
 
     def _too_big(self) -> web.Response:
@@ -170,7 +170,7 @@ class Api:
         fid = request.match_info["file_id"]
         if self.registry.file(fid, request["owner"]) is None:
             return _not_found("File", fid)
-        self.registry.delete_file(fid)
+        await asyncio.to_thread(self.registry.delete_file, fid)
         return _json({"id": fid, "object": "file", "deleted": True})
 
     # --- batches ------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class Api:
         rec = BatchRecord(id=new_batch_id(), owner=request["owner"], input_file_id=fid, endpoint=endpoint,
                           completion_window=window, created_at=now, expires_at=now + int(self.limits.window_s),
                           metadata=metadata or None)
-        self.registry.put_batch(rec)
+        await asyncio.to_thread(self.registry.put_batch, rec)
         self.engine.wake()
         return _json(rec.to_api())
 
@@ -228,7 +228,7 @@ class Api:
                 return None
             return replace(cur, status=BatchStatus.CANCELLING, cancelling_at=now)
 
-        rec = self.registry.update(bid, cancelling)
+        rec = await asyncio.to_thread(self.registry.update, bid, cancelling)
         if rec.final and rec.status is not BatchStatus.CANCELLED:
             return error(400, f"Cannot cancel a batch with status {rec.status!s}.", param="id")
         self.engine.wake()

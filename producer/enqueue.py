@@ -109,16 +109,18 @@ def read_requests(source: Lines, defaults: dict[str, Any], model: str, *,
     may be, `NotJson`, a broken rule), or the request, (custom_id, url, body) as `parse_line` makes it
     with `defaults` and `model` (`batch_only`: the simple form is refused)."""
     for lineno, raw, length in source:
-        got: Request | Reject | None = None
         if not raw or raw.isspace():
-            pass
-        elif length > len(raw):
-            got = Reject(f"line of {length:,} bytes is longer than any request may be ({MAX_LINE_BYTES:,})")
-        else:
-            try:
-                got = parse_line(raw, defaults, model, batch_only=batch_only)
-            except Reject as exc:
-                got = exc
+            yield lineno, raw, length, None
+            continue
+        if length > len(raw):
+            yield lineno, raw, length, Reject(f"line of {length:,} bytes is longer than any request may be "
+                                              f"({MAX_LINE_BYTES:,})")
+            continue
+        got: Request | Reject
+        try:  # enqueue's call passes no keyword: one costs on every line
+            got = parse_line(raw, defaults, model, batch_only=True) if batch_only else parse_line(raw, defaults, model)
+        except Reject as exc:
+            got = exc
         yield lineno, raw, length, got
 
 
@@ -436,10 +438,11 @@ def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model
             summary.lines += 1
             if lineno % BATCH == 0:
                 report.update(summary.lines, source.nbytes)
-            if got is None:
+            if type(got) is tuple:
+                cid, url, body = got
+                writer.add(cid, url, body, lineno, raw, length)
+            elif got is None:
                 summary.blank += 1
-            elif type(got) is tuple:
-                writer.add(*got, lineno, raw, length)
             else:
                 reject(lineno, str(got), raw, length)
         writer.finish()

@@ -30,7 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from .auth import ApiKeys
 from .engine import Engine, Limits
@@ -41,6 +41,7 @@ __all__ = ["MB", "make_app"]
 
 MB = 1_000_000
 CHUNK = 1 << 20
+MAX_HELD = 16 << 20  # an upload's bytes held in memory while its thread writes the ones before
 MAX_METADATA = 16  # pairs; keys up to 64 characters, values up to 512 (OpenAI's limits)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -109,8 +110,7 @@ class Api:
 
     # --- files --------------------------------------------------------------------------------------
     async def create_file(self, request: web.Request) -> web.Response:
-        limit = self.max_upload_bytes
-        if request.content_length is not None and request.content_length > limit + CHUNK:
+        if request.content_length is not None and request.content_length > self.max_upload_bytes + CHUNK:
             return self._too_big()
         if not request.content_type.startswith("multipart/"):
             return error(400, "upload the file as multipart/form-data with the fields `file` and `purpose`")
@@ -123,13 +123,10 @@ class Api:
                 if part.name == "purpose":
                     purpose = (await part.read_chunk(1024)).decode(errors="replace").strip()  # type: ignore[union-attr]
                 elif part.name == "file" and rec is None:
-                    size = 0
                     upload = await asyncio.to_thread(Upload, self.registry, fid)
-                    while chunk := await part.read_chunk(CHUNK):  # type: ignore[union-attr]
-                        size += len(chunk)
-                        if size > limit:
-                            return self._too_big()
-                        await asyncio.to_thread(upload.write, chunk)
+                    size = await self._receive(part, upload)  # type: ignore[arg-type]
+                    if size is None:
+                        return self._too_big()
                     rec = FileRecord(id=fid, owner=request["owner"], filename=part.filename or "upload.jsonl",
                                      bytes=size, purpose="", created_at=int(time.time()))
             if rec is None or upload is None:
@@ -143,6 +140,33 @@ class Api:
             if upload is not None:
                 await asyncio.to_thread(upload.discard)
         return _json(rec.to_api())
+
+    async def _receive(self, part: BodyPartReader, upload: Upload) -> int | None:
+        """The part's bytes into `upload`, written in a thread while the next ones arrive: each write takes
+        all that came during the one before (at most MAX_HELD waits in memory; then the loop waits for
+        the write). Their size, or None past the upload limit."""
+        size, held = 0, bytearray()
+        writing: asyncio.Task[None] | None = None  # the write under way while more bytes are read
+        try:
+            while chunk := await part.read_chunk(CHUNK):
+                size += len(chunk)
+                if size > self.max_upload_bytes:
+                    return None
+                held += chunk
+                if writing is not None and (writing.done() or len(held) >= MAX_HELD):
+                    await writing  # done (its error raised here), or too much held: wait for it
+                    writing = None
+                if writing is None:
+                    data, held = held, bytearray()
+                    writing = asyncio.ensure_future(asyncio.to_thread(upload.write, data))
+            if writing is not None:
+                await writing
+            writing = None
+            await asyncio.to_thread(upload.write, held)
+            return size
+        finally:
+            if writing is not None:  # left early: the write ends in its thread (`discard` waits for it)
+                writing.add_done_callback(_retrieved)
 
     def _too_big(self) -> web.Response:
         return error(413, f"the file is larger than the upload limit of {self.max_upload_bytes:,} bytes "
@@ -236,6 +260,12 @@ class Api:
 
     async def health(self, _request: web.Request) -> web.Response:
         return _json({"status": "ok"})
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    """A task nobody awaits any more: its error, if any, is read (and so not reported as unread)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _metadata_problem(metadata: object) -> str | None:

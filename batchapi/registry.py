@@ -180,7 +180,7 @@ class Upload:
         self.lock = threading.Lock()
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray) -> None:
         with self.lock:
             view = memoryview(data)
             while view:

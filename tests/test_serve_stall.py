@@ -1,5 +1,6 @@
-"""`batchfleet serve`'s HTTP API in this process (its app, registry and a batch engine that is not started),
-with the disk made slow: what waits on the disk must not stall the API's other clients."""
+"""`batchfleet serve`'s HTTP API in this process (its app, registry and a batch engine that is not started):
+what waits on the disk (made slow here) stalls none of the API's other clients, and an upload it
+refuses leaves no bytes behind."""
 
 from __future__ import annotations
 
@@ -95,3 +96,24 @@ def test_a_poll_is_answered_at_once_while_a_large_upload_is_being_synced_to_disk
         assert again.file(big_id, "") is not None
     finally:
         again.close()
+
+
+def test_an_upload_that_grows_past_the_limit_midway_is_refused_and_leaves_no_bytes_behind(
+        tmp_path: Path, redis_url: str) -> None:
+    state = tmp_path / "state"
+    config = Config(run="limit", redis_url=redis_url, state_dir=state)
+    registry = Registry(state, config.run)
+    limits = Limits()
+    engine = Engine(config, registry, state / "limit.sqlite", redis.Redis.from_url(redis_url), limits)
+    app = make_app(registry, engine, ApiKeys([]), limits, max_upload_bytes=5_000_000)
+    # under the limit by its Content-Length (which allows a multipart envelope), over it by its bytes:
+    # refused while its first megabytes are being written
+    over = b"x" * 5_500_000
+    with serving(app) as base, httpx.Client(base_url=base, timeout=60) as client:
+        r = client.post("/files", files={"file": ("over.jsonl", over)}, data={"purpose": "batch"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
+        ok = client.post("/files", files={"file": ("ok.jsonl", b"y" * 4_000_000)}, data={"purpose": "batch"})
+        assert ok.status_code == 200
+        assert client.get("/files").json()["data"] == [ok.json()]
+    assert sorted(p.name for p in registry.dir.iterdir()) == [ok.json()["id"]]  # no temporary bytes left
+    registry.close()

@@ -47,14 +47,19 @@ def serving(app: web.Application) -> Iterator[str]:
         loop.close()
 
 
+def api(state: Path, redis_url: str, run: str, *, max_upload_bytes: int) -> tuple[Registry, web.Application]:
+    """serve's registry and app for `run`, the batch engine made but not started (no batch is validated)."""
+    config = Config(run=run, redis_url=redis_url, state_dir=state)
+    registry = Registry(state, run)
+    limits = Limits()
+    engine = Engine(config, registry, state / f"{run}.sqlite", redis.Redis.from_url(redis_url), limits)
+    return registry, make_app(registry, engine, ApiKeys([]), limits, max_upload_bytes=max_upload_bytes)
+
+
 def test_a_poll_is_answered_at_once_while_a_large_upload_is_being_synced_to_disk(
         tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     state = tmp_path / "state"
-    config = Config(run="stall", redis_url=redis_url, state_dir=state)
-    registry = Registry(state, config.run)
-    limits = Limits()
-    engine = Engine(config, registry, state / "stall.sqlite", redis.Redis.from_url(redis_url), limits)
-    app = make_app(registry, engine, ApiKeys([]), limits, max_upload_bytes=200_000_000)
+    registry, app = api(state, redis_url, "stall", max_upload_bytes=200_000_000)
     line = (b'{"custom_id":"r%d","method":"POST","url":"/v1/chat/completions","body":{"messages":'
             b'[{"role":"user","content":"hi"}]}}\n')
     big = b"".join(line % i for i in range(100_000))  # ~9 MB
@@ -91,7 +96,7 @@ def test_a_poll_is_answered_at_once_while_a_large_upload_is_being_synced_to_disk
         assert registry.file_path(big_id).read_bytes() == big
         assert client.get(f"/files/{big_id}/content").content == big
     registry.close()
-    again = Registry(state, config.run)  # as a serve started again finds it
+    again = Registry(state, "stall")  # as a serve started again finds it
     try:
         assert again.file(big_id, "") is not None
     finally:
@@ -100,12 +105,7 @@ def test_a_poll_is_answered_at_once_while_a_large_upload_is_being_synced_to_disk
 
 def test_an_upload_that_grows_past_the_limit_midway_is_refused_and_leaves_no_bytes_behind(
         tmp_path: Path, redis_url: str) -> None:
-    state = tmp_path / "state"
-    config = Config(run="limit", redis_url=redis_url, state_dir=state)
-    registry = Registry(state, config.run)
-    limits = Limits()
-    engine = Engine(config, registry, state / "limit.sqlite", redis.Redis.from_url(redis_url), limits)
-    app = make_app(registry, engine, ApiKeys([]), limits, max_upload_bytes=5_000_000)
+    registry, app = api(tmp_path / "state", redis_url, "limit", max_upload_bytes=5_000_000)
     # under the limit by its Content-Length (which allows a multipart envelope), over it by its bytes:
     # refused while its first megabytes are being written
     over = b"x" * 5_500_000

@@ -10,7 +10,8 @@
     server.py    the store made ready, the engine's thread and the API until SIGINT/SIGTERM
 
 It stands beside `fleetrun` (which starts the fleet's processes and calls `serve_api`) and builds on
-`producer` (store, parse, export, cancel) and `batchfleet`; nothing but fleetrun's CLI imports it.
+`producer.api` (store, enqueue_whole, export, cancel) and `batchfleet`; nothing but fleetrun's CLI
+imports it.
 See docs/api.md.
 """
 

@@ -15,28 +15,33 @@ Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`
 key, 404 for an object that does not exist or belongs to another key (the two are not told apart),
 400 for a bad request, 413 for an upload over the limit. A read (a poll) is answered from the
 registry's memory: no query, no store access.
+
+Nothing that waits on the disk runs on the event loop: an upload's writes and fsync and every commit
+of the registry (synchronous=FULL) run in a thread (`asyncio.to_thread`), and a handler answers once
+its thread is done, so what it acknowledged is on disk. A 100 MB upload stalls no other client.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from .auth import ApiKeys
 from .engine import Engine, Limits
 from .objects import BATCH_PURPOSE, ENDPOINTS, WINDOWS, BatchRecord, BatchStatus, FileRecord, new_batch_id, new_file_id
-from .registry import Registry
+from .registry import Registry, Upload
 
 __all__ = ["MB", "make_app"]
 
 MB = 1_000_000
 CHUNK = 1 << 20
+MAX_HELD = 16 << 20  # an upload's bytes held in memory while its thread writes the ones before
 MAX_METADATA = 16  # pairs; keys up to 64 characters, values up to 512 (OpenAI's limits)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -105,44 +110,63 @@ class Api:
 
     # --- files --------------------------------------------------------------------------------------
     async def create_file(self, request: web.Request) -> web.Response:
-        limit = self.max_upload_bytes
-        if request.content_length is not None and request.content_length > limit + CHUNK:
+        if request.content_length is not None and request.content_length > self.max_upload_bytes + CHUNK:
             return self._too_big()
         if not request.content_type.startswith("multipart/"):
             return error(400, "upload the file as multipart/form-data with the fields `file` and `purpose`")
         purpose: str | None = None
         rec: FileRecord | None = None
         fid = new_file_id()
-        tmp = self.registry.temp_path(fid)
+        upload: Upload | None = None
         try:
             async for part in await request.multipart():
                 if part.name == "purpose":
                     purpose = (await part.read_chunk(1024)).decode(errors="replace").strip()  # type: ignore[union-attr]
                 elif part.name == "file" and rec is None:
-                    size = 0
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                    try:
-                        while chunk := await part.read_chunk(CHUNK):  # type: ignore[union-attr]
-                            size += len(chunk)
-                            if size > limit:
-                                return self._too_big()
-                            os.write(fd, chunk)
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                    upload = await asyncio.to_thread(Upload, self.registry, fid)
+                    size = await self._receive(part, upload)  # type: ignore[arg-type]
+                    if size is None:
+                        return self._too_big()
                     rec = FileRecord(id=fid, owner=request["owner"], filename=part.filename or "upload.jsonl",
                                      bytes=size, purpose="", created_at=int(time.time()))
-            if rec is None:
+            if rec is None or upload is None:
                 return error(400, "the upload has no `file` field", param="file")
             if purpose != BATCH_PURPOSE:
                 return error(400, f"purpose {purpose!r}: batchfleet serve keeps files for the Batch API only "
                                   "(purpose=batch)", param="purpose")
             rec = replace(rec, purpose=purpose)
-            os.replace(tmp, self.registry.file_path(fid))
-            self.registry.add_file(rec)
+            await asyncio.to_thread(upload.keep, rec)  # synced, in place, committed: then acknowledged
         finally:
-            tmp.unlink(missing_ok=True)
+            if upload is not None:
+                await asyncio.to_thread(upload.discard)
         return _json(rec.to_api())
+
+    async def _receive(self, part: BodyPartReader, upload: Upload) -> int | None:
+        """The part's bytes into `upload`, written in a thread while the next ones arrive: each write takes
+        all that came during the one before (at most MAX_HELD waits in memory; then the loop waits for
+        the write). Their size, or None past the upload limit."""
+        size, held = 0, bytearray()
+        writing: asyncio.Task[None] | None = None  # the write under way while more bytes are read
+        try:
+            while chunk := await part.read_chunk(CHUNK):
+                size += len(chunk)
+                if size > self.max_upload_bytes:
+                    return None
+                held += chunk
+                if writing is not None and (writing.done() or len(held) >= MAX_HELD):
+                    await writing  # done (its error raised here), or too much held: wait for it
+                    writing = None
+                if writing is None:
+                    data, held = held, bytearray()
+                    writing = asyncio.ensure_future(asyncio.to_thread(upload.write, data))
+            if writing is not None:
+                await writing
+            writing = None
+            await asyncio.to_thread(upload.write, held)
+            return size
+        finally:
+            if writing is not None:  # left early: the write ends in its thread (`discard` waits for it)
+                writing.add_done_callback(_retrieved)
 
     def _too_big(self) -> web.Response:
         return error(413, f"the file is larger than the upload limit of {self.max_upload_bytes:,} bytes "
@@ -170,7 +194,7 @@ class Api:
         fid = request.match_info["file_id"]
         if self.registry.file(fid, request["owner"]) is None:
             return _not_found("File", fid)
-        self.registry.delete_file(fid)
+        await asyncio.to_thread(self.registry.delete_file, fid)
         return _json({"id": fid, "object": "file", "deleted": True})
 
     # --- batches ------------------------------------------------------------------------------------
@@ -204,7 +228,7 @@ class Api:
         rec = BatchRecord(id=new_batch_id(), owner=request["owner"], input_file_id=fid, endpoint=endpoint,
                           completion_window=window, created_at=now, expires_at=now + int(self.limits.window_s),
                           metadata=metadata or None)
-        self.registry.put_batch(rec)
+        await asyncio.to_thread(self.registry.put_batch, rec)
         self.engine.wake()
         return _json(rec.to_api())
 
@@ -228,7 +252,7 @@ class Api:
                 return None
             return replace(cur, status=BatchStatus.CANCELLING, cancelling_at=now)
 
-        rec = self.registry.update(bid, cancelling)
+        rec = await asyncio.to_thread(self.registry.update, bid, cancelling)
         if rec.final and rec.status is not BatchStatus.CANCELLED:
             return error(400, f"Cannot cancel a batch with status {rec.status!s}.", param="id")
         self.engine.wake()
@@ -236,6 +260,12 @@ class Api:
 
     async def health(self, _request: web.Request) -> web.Response:
         return _json({"status": "ok"})
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    """A task nobody awaits any more: its error, if any, is read (and so not reported as unread)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _metadata_problem(metadata: object) -> str | None:

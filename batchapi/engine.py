@@ -1,7 +1,7 @@
 """The batches' lives: one thread moves every unfinished batch along, in this order each pass.
 
     cancelling   its prompts without a result are cancelled in the store, the fed ones dropped by the
-                 workers (`producer.ends.cancel_prompts` on the batch's span) -> its files -> cancelled
+                 workers (`producer.api.cancel_prompts` on the batch's span) -> its files -> cancelled
     past window  the same, as OpenAI's `batch_expired` -> its files -> expired
     in_progress  request_counts from the store (`Store.counts_in`: two range scans of the batch's span,
                  at most every COUNT_EVERY_S and only when the store changed) -> nothing pending ->
@@ -11,7 +11,7 @@
 The thread's store connection never checkpoints inside a commit (`Store.checkpoint_later`): it
 checkpoints once a batch is in_progress or ended, when no client waits on it.
 
-Its files are the export of its span (`producer.export.write_export`), split as OpenAI splits them:
+Its files are the export of its span (`producer.api.write_export`), split as OpenAI splits them:
 successes in the output file, every other line in the error file (HTTP errors with the server's body,
 requests with no answer, and those the cancel or the expiry took back: `batch_cancelled`,
 `batch_expired`). Each custom_id is given back without its batch prefix. A file with no line is not
@@ -39,10 +39,7 @@ import redis
 from batchfleet.config import Config
 from batchfleet.errors import ErrorCode
 from batchfleet.keys import Keys
-from producer.ends import cancel_prompts, cancelled_line
-from producer.export import write_export
-from producer.locate import ensure_marker
-from producer.store import Span, Store
+from producer.api import Span, Store, cancel_prompts, cancelled_line, ensure_marker, write_export
 
 from .objects import OUTPUT_PURPOSE, BatchRecord, BatchStatus, FileRecord, derived_file_id
 from .registry import Registry

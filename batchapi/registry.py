@@ -10,7 +10,11 @@ committed; bytes with no record (a crash in between) are removed at the next sta
 
 The records are also held in memory, which is what the API reads: a poll costs no query. A record is
 never changed in place: a new one replaces it (under the lock), so a reader never sees half of a
-change made by the batch engine's thread.
+change made by the batch engine's thread. A change holds `lock` through its commit (its fsync); a
+reader takes only the short lock of the memory, so no read waits on the disk.
+
+Every method that writes (the commits, `Upload`) blocks on the disk: the API calls them in a thread,
+never on its event loop.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from batchfleet.redact import private_dir
 
 from .objects import BatchRecord, FileRecord
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "Upload"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc BLOB NOT NULL);
@@ -49,7 +53,8 @@ class Registry:
         for statement in _SCHEMA.split(";"):
             if statement.strip():
                 self.db.execute(statement)
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # one change at a time, through its commit
+        self._mem = threading.Lock()  # the dicts below, changed and copied only under it: never held over a commit
         self.files: dict[str, FileRecord] = {}
         self.batches: dict[str, BatchRecord] = {}  # in creation order
         for (doc,) in self.db.execute("SELECT doc FROM files ORDER BY rowid"):
@@ -95,12 +100,14 @@ class Registry:
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO files (id, owner, doc) VALUES (?, ?, ?)",
                        (rec.id, rec.owner, orjson.dumps(_file_doc(rec))))
-            self.files[rec.id] = rec
+            with self._mem:
+                self.files[rec.id] = rec
 
     def delete_file(self, file_id: str) -> bool:
         with self._tx() as db:
             gone = db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
-            self.files.pop(file_id, None)
+            with self._mem:
+                self.files.pop(file_id, None)
         self.file_path(file_id).unlink(missing_ok=True)
         return gone
 
@@ -109,7 +116,7 @@ class Registry:
         return rec if rec is not None and rec.owner == owner else None
 
     def list_files(self, owner: str, *, purpose: str | None = None, order: str = "desc") -> list[FileRecord]:
-        with self.lock:
+        with self._mem:
             out = [f for f in self.files.values() if f.owner == owner and (purpose is None or f.purpose == purpose)]
         return out[::-1] if order == "desc" else out
 
@@ -119,13 +126,14 @@ class Registry:
         with self._tx() as db:
             db.execute("INSERT INTO batches (id, owner, doc) VALUES (?, ?, ?) "
                        "ON CONFLICT(id) DO UPDATE SET doc = excluded.doc", (rec.id, rec.owner, rec.to_json()))
-            if rec.id not in self.batches:
-                self._order.append(rec.id)
-            self.batches[rec.id] = rec
-            if rec.final:
-                self._open.pop(rec.id, None)
-            else:
-                self._open.setdefault(rec.id, None)
+            with self._mem:
+                if rec.id not in self.batches:
+                    self._order.append(rec.id)
+                self.batches[rec.id] = rec
+                if rec.final:
+                    self._open.pop(rec.id, None)
+                else:
+                    self._open.setdefault(rec.id, None)
 
     def update(self, batch_id: str, change: Callable[[BatchRecord], BatchRecord | None], *,
                persist: bool = True) -> BatchRecord:
@@ -141,7 +149,8 @@ class Registry:
             if persist:
                 self.put_batch(new)
             else:
-                self.batches[batch_id] = new
+                with self._mem:
+                    self.batches[batch_id] = new
             return new
 
     def batch(self, batch_id: str, owner: str) -> BatchRecord | None:
@@ -150,13 +159,49 @@ class Registry:
 
     def list_batches(self, owner: str) -> list[BatchRecord]:
         """The owner's batches, newest first."""
-        with self.lock:
+        with self._mem:
             return [b for b in (self.batches[i] for i in reversed(self._order)) if b.owner == owner]
 
     def unfinished(self) -> list[BatchRecord]:
         """Every batch not in a final state, oldest first."""
-        with self.lock:
+        with self._mem:
             return [self.batches[i] for i in self._open]
+
+
+class Upload:
+    """A file's bytes as they arrive: written beside their place (`Registry.temp_path`); `keep` syncs
+    them, renames them into place and commits the file's record, `discard` drops them. Each call
+    blocks on the disk (the API runs them in a thread); a lock keeps them in order, so `discard` after
+    a cancelled `write` waits for it."""
+
+    def __init__(self, registry: Registry, file_id: str) -> None:
+        self.registry = registry
+        self.tmp = registry.temp_path(file_id)
+        self.lock = threading.Lock()
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def write(self, data: bytes | bytearray) -> None:
+        with self.lock:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
+
+    def keep(self, rec: FileRecord) -> None:
+        """The bytes synced and in place, the record committed: from here a `kill -9` loses nothing."""
+        with self.lock:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.tmp, self.registry.file_path(rec.id))
+            self.registry.add_file(rec)
+
+    def discard(self) -> None:
+        """Drop what was not kept (nothing, after `keep`)."""
+        with self.lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            self.tmp.unlink(missing_ok=True)
 
 
 def _file_doc(rec: FileRecord) -> dict[str, object]:

@@ -24,9 +24,7 @@ import redis
 from aiohttp import web
 
 from batchfleet.config import Config
-from producer.api import repair_if_lost
-from producer.locate import Mode, ensure_marker, locate
-from producer.store import StoreError
+from producer.api import Access, StoreError, ensure_marker, locate, repair_if_lost
 
 from .app import MB, make_app
 from .auth import ApiKeys
@@ -57,7 +55,7 @@ class ServeOptions:
 def prepare_store(config: Config, r: redis.Redis, queues: tuple[str, ...]) -> Path:
     """The run's store, created when new (and repaired when Redis lost the run's data), ordered by
     input, with its run marker written. Returns its path."""
-    loc = locate(config, r, explicit=True, mode=Mode.CREATE)
+    loc = locate(config, r, explicit=True, access=Access.CREATE)
     try:
         if loc.store.cancelled_at() is not None:
             raise StoreError(f"run {config.run} was cancelled (producer cancel): its head feeds nothing any more; "

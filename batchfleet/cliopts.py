@@ -10,9 +10,21 @@ The top-level parser gets them with their defaults; each subcommand gets them ag
 `argparse.SUPPRESS` as default, so a value given after the subcommand wins and an absent one does
 not overwrite the value given before it.
 
-Exit codes (docs/cli.md lists each command's): 0 done, 1 something needs attention, 2 a usage,
-configuration, Redis, store or I/O error, 130 interrupted, 141 stdout was closed under us (`| head`:
-the rest of the output is dropped quietly, as a shell tool killed by SIGPIPE would).
+Exit codes, one table for every command (docs/cli.md lists each command's):
+
+    EXIT_OK                0    done
+    EXIT_ATTENTION         1    something needs attention (rejected lines, prompts still pending)
+    EXIT_USAGE             2    a usage, configuration, Redis, store or I/O error (EXIT_ERROR: the same)
+    EXIT_ACTIVE            3    another launcher (`batchfleet run` or `serve`) of the run is active
+    EXIT_INTERRUPTED     130    interrupted (Ctrl-C, or SIGTERM while starting)
+    EXIT_BROKEN_PIPE     141    stdout was closed under us (`| head`: the rest of the output is dropped
+                                quietly, as a shell tool killed by SIGPIPE would)
+
+and the worker's (`rq worker` with worker.GPUWorker):
+
+    EXIT_CONFIG            2    a configuration error a person must fix
+    EXIT_SERVER_TAKEN      3    another process holds this GPU's server
+    EXIT_SHUTDOWN_COMMAND 75    stopped on request through Redis (EX_TEMPFAIL: a supervisor restarts it)
 """
 
 from __future__ import annotations
@@ -25,13 +37,23 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-__all__ = ["EXIT_ATTENTION", "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "REDIS_HELP", "RUN_HELP",
+__all__ = ["EXIT_ACTIVE", "EXIT_ATTENTION", "EXIT_BROKEN_PIPE", "EXIT_CONFIG", "EXIT_ERROR", "EXIT_INTERRUPTED",
+           "EXIT_OK", "EXIT_SERVER_TAKEN", "EXIT_SHUTDOWN_COMMAND", "EXIT_USAGE", "REDIS_HELP", "RUN_HELP",
            "Parser", "UsageError",
            "add_common", "at_least", "broken_pipe", "common_parent", "error_line", "fraction", "port",
            "positive", "shown_default"]
 
-EXIT_OK, EXIT_ATTENTION, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+# The exit codes (see the module doc).
+EXIT_OK = 0
+EXIT_ATTENTION = 1
+EXIT_USAGE = 2
+EXIT_ERROR = EXIT_USAGE  # the launchers' name for it: configuration, Redis, store, I/O, processes that died
+EXIT_ACTIVE = 3
+EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE
+EXIT_CONFIG = 2
+EXIT_SERVER_TAKEN = 3
+EXIT_SHUTDOWN_COMMAND = 75  # EX_TEMPFAIL
 
 RUN_HELP = "run name (default: BATCHFLEET_RUN, else 'default')"
 REDIS_HELP = "Redis URL (default: BATCHFLEET_REDIS_URL, else REDIS_URL, else redis://127.0.0.1:6379/0)"

@@ -27,6 +27,8 @@ from .records import ENDPOINTS
 __all__ = [
     "ALIASES",
     "BODY_KEYS",
+    "CHAT",
+    "COMPLETIONS",
     "MAX_BODY_BYTES",
     "SAMPLING_KEYS",
     "STREAM_REASON",
@@ -37,7 +39,7 @@ __all__ = [
     "check_sampling",
 ]
 
-CHAT, COMPLETIONS = ENDPOINTS
+CHAT, COMPLETIONS = ENDPOINTS  # the two urls a request may have, by name
 
 # A prompt's request body as JSON (and an input line) may not be larger than this. 10 MB prompts are
 # a real use; a job that asks for more is refused rather than sent.

@@ -64,11 +64,8 @@ from batchfleet import sglang  # noqa: E402
 from batchfleet.config import EVENT_LOOPS, Config  # noqa: E402
 from batchfleet.keys import Keys  # noqa: E402
 from bench.instant import InstantAnswers  # noqa: E402
-from bench.redisproc import PrivateRedis  # noqa: E402
-from producer.api import enqueue  # noqa: E402
-from producer.collect import collect_once  # noqa: E402
-from producer.export import export  # noqa: E402
-from producer.store import Store  # noqa: E402
+from fleetrun.redisproc import PrivateRedis  # noqa: E402
+from producer.api import Store, collect_once, enqueue, export  # noqa: E402
 from worker.dispatcher import Dispatcher  # noqa: E402
 from worker.eventloop import loop_factory  # noqa: E402
 from worker.ledger import Ledger  # noqa: E402

@@ -2,6 +2,7 @@
 RQ's `Queue.enqueue_many` measured in the same run.
 
     .venv/bin/python bench/bench_enqueue.py [--n 1000000] [--baseline-n 200000] [--layout-n 50000] [--against DIR]
+                                            [--only store|layout|against]
 
 1. store: N short generated prompts, `producer enqueue FILE` as a subprocess against a private
    redis-server, with `producer head` running beside it (it feeds each queue's window as the store
@@ -24,6 +25,7 @@ import argparse
 import os
 import random
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -40,11 +42,10 @@ from rq import Queue
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchfleet.config import Config
-from batchfleet.jobs import GENERATE
+from batchfleet.jobs import GENERATE, job_id_for, prompt_wire
 from batchfleet.keys import FAILURE_TTL_S
-from batchfleet.records import Prompt, job_id_for
 from batchfleet.serializer import OrjsonSerializer
-from bench.redisproc import PrivateRedis
+from fleetrun.redisproc import PrivateRedis
 from producer.api import enqueue
 
 BIN = Path(sys.executable).parent
@@ -110,10 +111,10 @@ def rq_enqueue_many(r: redis.Redis, path: Path, limit: int, queues: tuple[str, .
                 break
             d = orjson.loads(raw)
             cid = d["id"]
-            prompt = Prompt(cid, seq, "/v1/completions", {"prompt": d["prompt"], "max_tokens": d["max_tokens"],
-                                                          "model": "default"}, run=run)
+            prompt = prompt_wire(cid, seq, "/v1/completions", {"prompt": d["prompt"], "max_tokens": d["max_tokens"],
+                                                               "model": "default"}, run=run)
             batch.append(Queue.prepare_data(
-                GENERATE, args=(prompt.to_dict(),), job_id=job_id_for(run, cid), description=f"generate({cid})",
+                GENERATE, args=(prompt,), job_id=job_id_for(run, cid), description=f"generate({cid})",
                 result_ttl=0, failure_ttl=FAILURE_TTL_S, timeout=3600))
             if len(batch) == 1000:
                 qs[b % len(qs)].enqueue_many(batch)
@@ -182,10 +183,12 @@ def bench_store(a: argparse.Namespace, work: Path) -> None:
     sys.stdout.flush()
 
 
-def enqueue_from(tree: Path, path: Path, url: str, state: Path, run: str) -> float:
-    """`producer enqueue` of `path` with the code of `tree` (on PYTHONPATH): its own prompts/s figure."""
+def enqueue_from(tree: Path, path: Path, url: str, state: Path, run: str) -> tuple[float, float]:
+    """`producer enqueue` of `path` with the code of `tree` (on PYTHONPATH): its own prompts/s figure, and
+    the CPU seconds of the whole process (user + system, start-up included)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHFLEET_")}
     env["PYTHONPATH"] = str(tree)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, "-c", "import sys; from producer.cli import main; sys.exit(main())",
                            "--redis-url", url, "--run", run, "--state-dir", str(state), "enqueue", str(path),
                            "--queues", f"{run}.gpu0", "--no-progress"],
@@ -193,7 +196,9 @@ def enqueue_from(tree: Path, path: Path, url: str, state: Path, run: str) -> flo
     m = re.search(r"lines in \S+ s \(([\d,]+)/s\)", done.stdout + done.stderr)
     if done.returncode != 0 or m is None:
         raise SystemExit(f"producer enqueue ({tree}) failed: {done.stdout}{done.stderr}")
-    return float(m.group(1).replace(",", ""))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return float(m.group(1).replace(",", "")), cpu_s
 
 
 def bench_against(a: argparse.Namespace, work: Path) -> None:
@@ -203,21 +208,30 @@ def bench_against(a: argparse.Namespace, work: Path) -> None:
     if not path.exists():
         short_prompts(path, a.n)
     rates: dict[Path, list[float]] = {tree: [] for tree in trees}
+    cpu: dict[Path, list[float]] = {tree: [] for tree in trees}  # CPU microseconds a prompt
     with PrivateRedis() as redis_proc:
         for i in range(a.ab_repeat):  # interleaved, so the machine's load falls on each alike
             for t, tree in enumerate(trees):
                 run = f"ab{i}t{t}"
-                rates[tree].append(enqueue_from(tree, path, redis_proc.url, work / run, run))
+                rate, cpu_s = enqueue_from(tree, path, redis_proc.url, work / run, run)
+                rates[tree].append(rate)
+                cpu[tree].append(1e6 * cpu_s / a.n)
                 shutil.rmtree(work / run)
                 redis.Redis.from_url(redis_proc.url).flushall()
     med = {tree: statistics.median(r) for tree, r in rates.items()}
+    med_cpu = {tree: statistics.median(c) for tree, c in cpu.items()}
     print(f"producer enqueue of the same {a.n:,} short prompts by {len(trees)} checkouts, {a.ab_repeat} times each "
-          f"interleaved (no head): median (range), ratio to the first")
+          f"interleaved (no head): median (range), ratio to the first; CPU of the whole process (less moved by "
+          "the machine's other load than the rate)")
     for tree in trees:
         label = "this tree" if tree == here else tree.name
         pairs = ", ".join(f"{x / y:.2f}" for x, y in zip(rates[here], rates[tree], strict=True))
         print(f"  {label:<24} : {med[tree]:>10,.0f} prompts/s   ({min(rates[tree]):,.0f}-{max(rates[tree]):,.0f})"
               + ("" if tree == here else f"   this tree / it: {med[here] / med[tree]:.2f}x (per run: {pairs})"))
+        cpu_pairs = ", ".join(f"{x / y:.2f}" for x, y in zip(cpu[here], cpu[tree], strict=True))
+        print(f"  {'':<24}   {med_cpu[tree]:>10.2f} us CPU a prompt ({min(cpu[tree]):.2f}-{max(cpu[tree]):.2f})"
+              + ("" if tree == here else f"   this tree / it: {med_cpu[here] / med_cpu[tree]:.3f}x "
+                                         f"(per run: {cpu_pairs})"))
     sys.stdout.flush()
 
 
@@ -262,17 +276,18 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=60, help="words per prompt in the layout measure")
     ap.add_argument("--queues", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--only", choices=("store", "layout"))
+    ap.add_argument("--only", choices=("store", "layout", "against"),
+                    help="one measure (against: only the checkouts' comparison, which needs --against)")
     ap.add_argument("--against", metavar="DIR", action="append", default=[],
                     help="also enqueue the same file with the code of this checkout (repeatable)")
     ap.add_argument("--ab-repeat", type=int, default=3, help="runs of each tree with --against")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-enqueue-") as tmp:
-        if a.only != "layout":
+        if a.only in (None, "store"):
             bench_store(a, Path(tmp))
-            if a.against:
-                bench_against(a, Path(tmp))
-        if a.only != "store":
+        if a.only in (None, "store", "against") and a.against:
+            bench_against(a, Path(tmp))
+        if a.only in (None, "layout"):
             bench_layout(a, Path(tmp))
 
 

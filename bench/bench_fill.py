@@ -28,7 +28,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.redisproc import PrivateRedis  # noqa: E402
+from fleetrun.redisproc import PrivateRedis  # noqa: E402
 from tests.fleet import Fleet  # noqa: E402
 
 # name -> (prompts per GPU, max_tokens choices)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from batchfleet.records import WorkerState  # noqa: E402
 from bench.bench_seed import exactly_once, write_seed_prompts  # noqa: E402
-from bench.redisproc import PrivateRedis  # noqa: E402
+from fleetrun.redisproc import PrivateRedis  # noqa: E402
 from sglang_sim.memory import plan_memory, slots_per_request  # noqa: E402
 from sglang_sim.parallel import Layout  # noqa: E402
 from sglang_sim.profiles import get_profile  # noqa: E402

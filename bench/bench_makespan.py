@@ -96,7 +96,7 @@ def main() -> int:
     parser.add_argument("--only", default="a,b,c", help="modes to run, e.g. b,c")
     parser.add_argument("--png", type=Path, default=ROOT / "docs" / "makespan-supervised.png")
     args = parser.parse_args()
-    from bench.redisproc import PrivateRedis
+    from fleetrun.redisproc import PrivateRedis
 
     results = {}
     with contextlib.ExitStack() as shared:

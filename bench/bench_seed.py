@@ -202,7 +202,7 @@ def main() -> int:
     parser.add_argument("--rollout-batch", type=int, default=2)
     parser.add_argument("--png", type=Path, default=ROOT / "docs" / "seed-scenario.png")
     args = parser.parse_args()
-    from bench.redisproc import PrivateRedis
+    from fleetrun.redisproc import PrivateRedis
 
     with PrivateRedis() as redis_, tempfile.TemporaryDirectory(prefix="bench-seed-") as tmp:
         res = run_seed(Path(tmp), redis_.url, gpus=args.gpus, prompts=args.prompts, time_scale=args.time_scale,

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from batchfleet.keys import Keys  # noqa: E402
-from bench.redisproc import PrivateRedis  # noqa: E402
+from fleetrun.redisproc import PrivateRedis  # noqa: E402
 from tests.fleet import Fleet  # noqa: E402
 
 MIX = {16: 400, 256: 100, 4000: 8}  # prompts per GPU for each max_tokens (4000: the sim context is 4,096)

@@ -35,8 +35,8 @@ from batchfleet.config import Config
 from batchfleet.keys import Keys
 from bench.bench_enqueue import MIB, PeakRss, rq_enqueue_many, short_prompts, used
 from bench.instant import InstantAnswers
-from bench.redisproc import PrivateRedis
-from producer.store import Store
+from fleetrun.redisproc import PrivateRedis
+from producer.api import Store
 from worker.dispatcher import Dispatcher
 from worker.ledger import Ledger
 

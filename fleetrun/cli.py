@@ -30,7 +30,6 @@ import argparse
 import os
 import re
 import signal
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,10 @@ from typing import Any, TextIO
 import redis
 
 from batchfleet.cliopts import (
-    EXIT_USAGE,
+    EXIT_ATTENTION,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
     Parser,
     UsageError,
     add_common,
@@ -50,18 +52,26 @@ from batchfleet.cliopts import (
 )
 from batchfleet.config import Config
 from batchfleet.connection import connect
-from batchfleet.errors import ConfigError
 from batchfleet.fleetview import duration_text
 from batchfleet.keys import Keys
-from producer import api
-from producer.collect import collect_once
-from producer.export import ExportError, check_target, export, write_empty
-from producer.inputs import Lines, MissingExtra, input_problem
-from producer.status import gather_progress
-from producer.store import Store, StoreError
+from batchfleet.records import WorkerState
+from producer.api import (
+    ExportError,
+    Lines,
+    Store,
+    cannot_serve,
+    check_target,
+    collect_once,
+    enqueue,
+    export,
+    gather_progress,
+    input_problem,
+    write_empty,
+)
 
 from . import serve
 from .launch import (
+    LAUNCH_ERRORS,
     Events,
     Procs,
     check_gpus,
@@ -70,18 +80,16 @@ from .launch import (
     event_line,
     fleet_redis,
     gpu_groups,
+    launch_failed,
     own_dirs,
     parse_gpus,
     queues_of,
     start_fleet,
 )
-from .lease import LaunchLease, RunActive
-from .redisproc import PrivateRedisBusy, PrivateRedisError
+from .lease import LaunchLease
 
 __all__ = ["UsageError", "build_parser", "main", "parse_gpus"]
 
-EXIT_OK, EXIT_ATTENTION, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, EXIT_USAGE, 130
-EXIT_ACTIVE = 3  # another `batchfleet run` of the run is active
 REDIS_HELP = ("Redis URL, used when it answers (default: BATCHFLEET_REDIS_URL, else REDIS_URL; none, or none "
               "answering: a private redis-server with an append-only file in the state dir)")
 
@@ -298,9 +306,9 @@ def _enqueue_and_work(args: argparse.Namespace, config: Config, gpus: tuple[int,
                       stop: list[bool], force: list[bool], r: redis.Redis) -> int:
     run = config.run
     queues = queues_of(run, args.groups)
-    done = api.enqueue(config, r, args.file, queues=queues, explicit=True, model=args.model or config.model_path,
-                       rejects_path=args.rejects or config.state_dir / f"{run}.rejects.jsonl", progress=True,
-                       rerun_changed=args.rerun_changed)
+    done = enqueue(config, r, args.file, queues=queues, explicit=True, model=args.model or config.model_path,
+                   rejects_path=args.rejects or config.state_dir / f"{run}.rejects.jsonl", progress=True,
+                   rerun_changed=args.rerun_changed)
     store: Store = done.store
     try:
         s = done.summary
@@ -348,21 +356,12 @@ def _work(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys:
 
 def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, store: Store,
                r: redis.Redis, screen: Screen, stop: list[bool], force: list[bool]) -> int:
-    logs = config.logs  # <state dir>/logs/<run>, 0700 (see launch.own_dirs)
-    procs = Procs(logs)
-    events = Events(r, keys)
+    """Start the fleet, show progress until nothing is pending or a reason to stop (`_Watch.reason`),
+    then stop the processes and say how the run ended."""
+    procs, events = Procs(config.logs), Events(r, keys)  # logs: <state dir>/logs/<run>, 0700 (launch.own_dirs)
     screen.rate = Throughput(gather_progress(r, keys, store)["completion_tokens"])
-    # Before any worker starts: with --fresh-start none starts on the fleet's memory (worker/spec.py).
-    if args.fresh_start:
-        r.hset(keys.control, Keys.CONTROL_FRESH, b"1")
-    else:
-        r.hdel(keys.control, Keys.CONTROL_FRESH)
-    started = start_fleet(procs, config, args.groups, supervisor=not args.no_supervisor, dry_run=args.dry_run,
-                          fresh_start=args.fresh_start)
-    screen.say(f"{started}; logs in {logs}")
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    said_down: set[tuple[str, str]] = set()
-    failed: dict[str, str] = {}  # queue -> why its GPU cannot serve (failed, or down), as last seen
+    _start(args, config, keys, r, procs, screen)
+    watch = _Watch(args, config, gpus, procs, screen)
     code = EXIT_OK
     p: dict[str, Any] | None = None
     try:
@@ -370,69 +369,110 @@ def _processes(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], 
             for e in events.new():
                 screen.say(event_line(e))
             p = gather_progress(r, keys, store)
-            failed_now, down_now = {}, {}
-            for d in p["workers"]["not_serving"]:  # a server that cannot start: say why, once per reason
-                why = (d["message"] or "?").strip().splitlines()[0]
-                if d["state"] == "failed":
-                    failed_now[d["queue"]] = why
-                elif d["state"] == "down":
-                    down_now[d["queue"]] = why
-                if d["state"] in ("down", "failed") and (d["worker"], d["message"]) not in said_down:
-                    said_down.add((d["worker"], d["message"]))
-                    log = logs / f"worker-{d['queue'].rpartition('.')[2]}.log"
-                    what = "GPU FAILED (takes no work)" if d["state"] == "failed" else "server DOWN"
-                    screen.say(f"{d['queue']}: {what}: {why} (see {log})")
-            failed = {**down_now, **failed_now}
+            watch.servers(p)
             screen.progress(p)
             if p["pending"] == 0:
                 break
-            ours = set(queues_of(config.run, gpu_groups(gpus)))
-            # no GPU can serve (ours all failed, and no live worker elsewhere on this Redis can): waiting cannot help
-            if ours <= set(failed_now) and len(failed_now) >= p["workers"]["live"]:
-                screen.say("no GPU can serve; each was marked failed:\n" + "\n".join(
-                    f"  {q.rpartition('.')[2]}: {failed_now[q]}" for q in sorted(ours)))
-                code = EXIT_ERROR
-                break
-            if stop[0]:
-                code = EXIT_INTERRUPTED
-                break
-            dead = [g for g, w in procs.workers.items() if w.poll() is not None]
-            if len(dead) == len(procs.workers):
-                tails = "\n".join(f"--- worker-{g}.log (exit {procs.workers[g].returncode})\n"
-                                  f"{procs.tail(f'worker-{g}')}" for g in dead)
-                screen.say(f"every worker exited; see {logs}\n{tails}")
-                code = EXIT_ERROR
-                break
-            if procs.others["head"].poll() is not None:
-                screen.say(f"the head exited {procs.others['head'].returncode}:\n{procs.tail('head')}")
-                code = EXIT_ERROR
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                screen.say(f"timed out after {args.timeout:g} s with {p['pending']:,} prompts pending")
-                code = EXIT_ERROR
+            if (code := watch.reason(p, stop[0])) != EXIT_OK:
                 break
             time.sleep(1.0)
     finally:
-        if p is not None:
-            screen.finish(p)  # the bar goes before any later line; its last state stays as a plain line
-        screen.close()
-        if code == EXIT_INTERRUPTED:
-            screen.say("interrupted: draining (workers hand back what they hold; Ctrl-C again to kill at once)")
-        codes = procs.stop(config.shutdown_grace_s + 30, force)
-        for e in events.new():
-            screen.say(event_line(e))
-        bad = {n: c for n, c in codes.items() if c not in (0, -signal.SIGTERM)}
-        if bad:
-            screen.say("exit codes: " + ", ".join(f"{n} {c}" for n, c in bad.items()) + f" (logs in {logs})")
-    if failed and code == EXIT_OK:
-        screen.say(f"finished without {len(failed)} GPU(s) whose server could not serve (their queues were served by "
-                   "the others): " + "; ".join(f"{q.rpartition('.')[2]}: {why}" for q, why in sorted(failed.items())))
+        _stop(procs, events, screen, p, code, config, force)
+    if watch.failed and code == EXIT_OK:
+        screen.say(f"finished without {len(watch.failed)} GPU(s) whose server could not serve (their queues were "
+                   "served by the others): " + "; ".join(f"{q.rpartition('.')[2]}: {why}"
+                                                         for q, why in sorted(watch.failed.items())))
     if code == EXIT_INTERRUPTED:
         collect_once(r, store, keys)  # what finished while the workers drained: into the store now
         p = gather_progress(r, keys, store)
+        assert screen.rate is not None
         screen.say(f"stopped: {p['done']:,} of {p['prompts']:,} prompts done, {p['pending']:,} pending (kept in "
                    f"{store.path}); {screen.rate.summary()}; run the same command again to resume")
     return code
+
+
+def _start(args: argparse.Namespace, config: Config, keys: Keys, r: redis.Redis, procs: Procs, screen: Screen) -> None:
+    # Before any worker starts: with --fresh-start none starts on the fleet's memory (worker/spec.py).
+    if args.fresh_start:
+        r.hset(keys.control, Keys.CONTROL_FRESH, b"1")
+    else:
+        r.hdel(keys.control, Keys.CONTROL_FRESH)
+    started = start_fleet(procs, config, args.groups, supervisor=not args.no_supervisor, dry_run=args.dry_run,
+                          fresh_start=args.fresh_start)
+    screen.say(f"{started}; logs in {procs.logs}")
+
+
+def _stop(procs: Procs, events: Events, screen: Screen, p: dict[str, Any] | None, code: int, config: Config,
+          force: list[bool]) -> None:
+    """The progress line's last state, then the processes stopped (draining), their last events and
+    any exit code that is not a clean stop."""
+    if p is not None:
+        screen.finish(p)  # the bar goes before any later line; its last state stays as a plain line
+    screen.close()
+    if code == EXIT_INTERRUPTED:
+        screen.say("interrupted: draining (workers hand back what they hold; Ctrl-C again to kill at once)")
+    codes = procs.stop(config.shutdown_grace_s + 30, force)
+    for e in events.new():
+        screen.say(event_line(e))
+    bad = {n: c for n, c in codes.items() if c not in (0, -signal.SIGTERM)}
+    if bad:
+        screen.say("exit codes: " + ", ".join(f"{n} {c}" for n, c in bad.items()) + f" (logs in {procs.logs})")
+
+
+class _Watch:
+    """What `batchfleet run` watches besides the progress: the servers that cannot serve (said once per
+    reason), and the reasons to stop before every prompt is done."""
+
+    def __init__(self, args: argparse.Namespace, config: Config, gpus: tuple[int, ...], procs: Procs,
+                 screen: Screen) -> None:
+        self.procs = procs
+        self.screen = screen
+        self.ours = set(queues_of(config.run, gpu_groups(gpus)))
+        self.timeout_s: float | None = args.timeout
+        self.deadline = None if args.timeout is None else time.monotonic() + args.timeout
+        self.said: set[tuple[str, str]] = set()
+        self.failed_now: dict[str, str] = {}  # queue -> why its GPU was marked failed, now
+        self.failed: dict[str, str] = {}  # queue -> why its GPU cannot serve (failed, or down), as last seen
+
+    def servers(self, p: dict[str, Any]) -> None:
+        """A server that cannot serve: say why, once per reason."""
+        failed_now, down_now = {}, {}
+        for d in p["workers"]["not_serving"]:
+            what = cannot_serve(d["state"])
+            if what is None:  # starting or restarting
+                continue
+            why = (d["message"] or "?").strip().splitlines()[0]
+            (failed_now if d["state"] == WorkerState.FAILED else down_now)[d["queue"]] = why
+            if (d["worker"], d["message"]) not in self.said:
+                self.said.add((d["worker"], d["message"]))
+                log = self.procs.logs / f"worker-{d['queue'].rpartition('.')[2]}.log"
+                self.screen.say(f"{d['queue']}: {what}: {why} (see {log})")
+        self.failed_now = failed_now
+        self.failed = {**down_now, **failed_now}
+
+    def reason(self, p: dict[str, Any], interrupted: bool) -> int:
+        """EXIT_OK to watch on, else the exit code of why the run stops now (each said on the screen)."""
+        say, procs = self.screen.say, self.procs
+        # no GPU can serve (ours all failed, and no live worker elsewhere on this Redis can): waiting cannot help
+        if self.ours <= set(self.failed_now) and len(self.failed_now) >= p["workers"]["live"]:
+            say("no GPU can serve; each was marked failed:\n" + "\n".join(
+                f"  {q.rpartition('.')[2]}: {self.failed_now[q]}" for q in sorted(self.ours)))
+            return EXIT_ERROR
+        if interrupted:
+            return EXIT_INTERRUPTED
+        dead = [g for g, w in procs.workers.items() if w.poll() is not None]
+        if len(dead) == len(procs.workers):
+            tails = "\n".join(f"--- worker-{g}.log (exit {procs.workers[g].returncode})\n"
+                              f"{procs.tail(f'worker-{g}')}" for g in dead)
+            say(f"every worker exited; see {procs.logs}\n{tails}")
+            return EXIT_ERROR
+        if procs.others["head"].poll() is not None:
+            say(f"the head exited {procs.others['head'].returncode}:\n{procs.tail('head')}")
+            return EXIT_ERROR
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            say(f"timed out after {self.timeout_s:g} s with {p['pending']:,} prompts pending")
+            return EXIT_ERROR
+        return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,29 +484,18 @@ def main(argv: list[str] | None = None) -> int:
     def interrupt(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
-    def fail(text: str, code: int = EXIT_ERROR) -> int:
-        error_line("batchfleet", text)
-        return code
-
     # until the processes start, SIGTERM is a Ctrl-C: the private Redis is stopped on the way out
     old = signal.signal(signal.SIGTERM, interrupt)
     try:
         return _run(args, stop, force)
     except BrokenPipeError:
         return broken_pipe()
-    except (RunActive, PrivateRedisBusy) as exc:
-        return fail(str(exc), EXIT_ACTIVE)
-    except (UsageError, ConfigError, StoreError, PrivateRedisError, MissingExtra) as exc:
-        return fail(str(exc))
-    except redis.RedisError as exc:
-        return fail(f"Redis failed: {type(exc).__name__}: {exc}")
-    except sqlite3.Error as exc:
-        return fail(f"store: {exc}")
-    except OSError as exc:  # a file or directory that cannot be made, read or written
-        return fail(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc))
+    except LAUNCH_ERRORS as exc:
+        return launch_failed(exc)
     except KeyboardInterrupt:
-        return fail("interrupted while enqueueing (what was stored is kept): run the same command again to resume",
-                    EXIT_INTERRUPTED)
+        error_line("batchfleet", "interrupted while enqueueing (what was stored is kept): run the same command again "
+                   "to resume")
+        return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, old)
 

@@ -17,6 +17,7 @@ call.
   order: `Procs.stop`), and die with the launcher even when it is killed with -9 (PR_SET_PDEATHSIG):
   a launcher started again never finds the last one's workers holding its GPUs.
 - `Events`: the run's events (supervisor decisions, server restarts) since the launch, one line each.
+- `launch_failed`: a launcher's error (`LAUNCH_ERRORS`) as one line on stderr and its exit code.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -36,18 +38,39 @@ from pathlib import Path
 
 import redis
 
-from batchfleet.cliopts import UsageError
+from batchfleet.cliopts import EXIT_ACTIVE, EXIT_ERROR, UsageError, error_line
 from batchfleet.config import GPU_LOCAL_PART, Config, group_label, model_path_problem
 from batchfleet.connection import redacted
+from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.records import Event
 from batchfleet.redact import private_dir_problem, private_file
+from producer.api import MissingExtra, StoreError
 
-from .redisproc import PrivateRedis, answers
+from .lease import RunActive
+from .redisproc import PrivateRedis, PrivateRedisBusy, PrivateRedisError, answers
 
-__all__ = ["BIN", "Events", "Procs", "UsageError", "check_gpus", "check_model_path", "child_env", "detect_gpus",
-           "event_line", "exe", "fleet_redis", "gpu_groups", "own_dirs", "parse_gpus", "queues_of", "start_fleet",
-           "start_head"]
+__all__ = [
+    "BIN",
+    "LAUNCH_ERRORS",
+    "Events",
+    "Procs",
+    "UsageError",
+    "check_gpus",
+    "check_model_path",
+    "child_env",
+    "detect_gpus",
+    "event_line",
+    "exe",
+    "fleet_redis",
+    "gpu_groups",
+    "launch_failed",
+    "own_dirs",
+    "parse_gpus",
+    "queues_of",
+    "start_fleet",
+    "start_head",
+]
 
 BIN = Path(sys.executable).parent
 PR_SET_PDEATHSIG = 1
@@ -271,3 +294,27 @@ class Events:
             except Exception:  # a record this version cannot read: skip it, never stop the run
                 continue
         return out
+
+
+# --- what a launcher says when it cannot go on ----------------------------------------------------------
+# Every error a person can cause or fix (a launcher catches these; anything else is a bug)
+LAUNCH_ERRORS = (RunActive, UsageError, ConfigError, StoreError, PrivateRedisError, MissingExtra, redis.RedisError,
+                 sqlite3.Error, OSError)
+
+
+def launch_failed(exc: BaseException) -> int:
+    """One line on stderr for a launcher's error (one of `LAUNCH_ERRORS`); returns its exit code:
+    EXIT_ACTIVE when another launcher of the run is active (its lease, or its private Redis), else
+    EXIT_ERROR."""
+    if isinstance(exc, RunActive | PrivateRedisBusy):
+        text, code = str(exc), EXIT_ACTIVE
+    elif isinstance(exc, redis.RedisError):
+        text, code = f"Redis failed: {type(exc).__name__}: {exc}", EXIT_ERROR
+    elif isinstance(exc, sqlite3.Error):
+        text, code = f"store: {exc}", EXIT_ERROR
+    elif isinstance(exc, OSError):  # a file or directory that cannot be made, read or written
+        text, code = (f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)), EXIT_ERROR
+    else:
+        text, code = str(exc), EXIT_ERROR
+    error_line("batchfleet", text)
+    return code

@@ -4,6 +4,9 @@ It listens on 127.0.0.1 only, on a free port, and keeps an append-only file (AOF
 second) in its own directory inside the run's state dir, so stopping and starting it again — a
 Ctrl-C and a re-run — finds the run's queues, leases and uncollected results where they were. A
 pid file in that directory keeps a second redis-server off the same files.
+
+Without a directory (the benchmarks'), it runs in a temporary one without persistence, removed when
+it stops.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,11 +66,13 @@ def _free_port() -> int:
 
 
 class PrivateRedis:
-    """`start()` / `stop()` (SIGTERM: Redis flushes its AOF and exits), or use as a context manager."""
+    """`start()` / `stop()` (SIGTERM: Redis flushes its AOF and exits), or use as a context manager.
+    `directory` None: a temporary one, no persistence (see the module doc)."""
 
-    def __init__(self, directory: Path, *, run: str = "") -> None:
-        self.dir = directory
-        self.run = run or directory.name.removesuffix(".redis")
+    def __init__(self, directory: Path | None = None, *, run: str = "") -> None:
+        self.persist = directory is not None
+        self.dir = directory or Path(tempfile.mkdtemp(prefix="batchfleet-redis-"))
+        self.run = run or self.dir.name.removesuffix(".redis")
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -100,7 +106,8 @@ class PrivateRedis:
         log = (self.dir / "redis.log").open("ab")
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--pidfile", str(self.pidfile),
+             "--appendonly", "yes" if self.persist else "no", "--appendfsync", "everysec", "--save", "",
+             "--pidfile", str(self.pidfile),
              "--logfile", "", "--daemonize", "no"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # Ctrl-C is ours to handle
         log.close()
@@ -128,9 +135,7 @@ class PrivateRedis:
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout_s)
@@ -138,6 +143,8 @@ class PrivateRedis:
                 self.proc.kill()
                 self.proc.wait(10)
         self.proc = None
+        if not self.persist:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> PrivateRedis:
         return self.start()

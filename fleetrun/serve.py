@@ -28,7 +28,6 @@ import logging
 import os
 import signal
 import socket
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,6 @@ import redis
 from batchfleet.cliopts import (
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_USAGE,
     UsageError,
     broken_pipe,
     error_line,
@@ -48,12 +46,11 @@ from batchfleet.cliopts import (
 )
 from batchfleet.config import Config
 from batchfleet.connection import connect
-from batchfleet.errors import ConfigError
 from batchfleet.keys import Keys
 from batchfleet.redact import Scrubber, install_log_scrubbing
-from producer.store import StoreError
 
 from .launch import (
+    LAUNCH_ERRORS,
     Events,
     Procs,
     check_gpus,
@@ -61,22 +58,20 @@ from .launch import (
     event_line,
     fleet_redis,
     gpu_groups,
+    launch_failed,
     own_dirs,
     parse_gpus,
     queues_of,
     start_fleet,
     start_head,
 )
-from .lease import SERVE, LaunchLease, RunActive
-from .redisproc import PrivateRedisBusy, PrivateRedisError
+from .lease import SERVE, LaunchLease
 
 if TYPE_CHECKING:
     from batchapi import ApiKeys, ServeOptions
 
 __all__ = ["add_parser", "main"]
 
-EXIT_ERROR = EXIT_USAGE
-EXIT_ACTIVE = 3  # another launcher of the run is active (as `batchfleet run`'s)
 DEFAULT_RUN = "serve"
 RESTART_AFTER_S = 5.0  # a head that exited is started again after this
 
@@ -117,27 +112,16 @@ def main(args: argparse.Namespace) -> int:
     def interrupt(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
-    def fail(text: str, code: int = EXIT_ERROR) -> int:
-        error_line("batchfleet", text)
-        return code
-
     old = signal.signal(signal.SIGTERM, interrupt)  # while starting, SIGTERM is a Ctrl-C: cleanup runs
     try:
         return _serve(args)
     except BrokenPipeError:
         return broken_pipe()
-    except (RunActive, PrivateRedisBusy) as exc:
-        return fail(str(exc), EXIT_ACTIVE)
-    except (UsageError, ConfigError, StoreError, PrivateRedisError) as exc:
-        return fail(str(exc))
-    except redis.RedisError as exc:
-        return fail(f"Redis failed: {type(exc).__name__}: {exc}")
-    except sqlite3.Error as exc:
-        return fail(f"store: {exc}")
-    except OSError as exc:  # a file or directory that cannot be made, read or written
-        return fail(f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc))
+    except LAUNCH_ERRORS as exc:
+        return launch_failed(exc)
     except KeyboardInterrupt:
-        return fail("interrupted while starting", EXIT_INTERRUPTED)
+        error_line("batchfleet", "interrupted while starting")
+        return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, old)
 

@@ -1,4 +1,23 @@
-"""The producer's steps as functions, for the CLI, benchmarks and tests (which need no subprocess)."""
+"""The producer's public API: what the launchers (`fleetrun`), the Batch API (`batchapi`), the benchmarks
+and the scripts use of the producer, and all they may use (tests/test_layout.py holds `batchapi` and
+`fleetrun` to it). Everything else in `producer/` may change shape without notice.
+
+    the run's store       Store, Span (a range of seqs: one input stored whole), StoreError;
+                          locate (which store is the run's) with Access, Located, NoStore;
+                          ensure_marker (the run marker in Redis), repair_if_lost
+    into the store        enqueue (`producer enqueue` in one call: the store, the marker, one feed
+                          pass) -> Enqueued, EnqueueSummary; EmptyInput, ChangedRequests;
+                          enqueue_whole (a file as ONE input, whole or not at all, as the Batch
+                          API stores a batch) -> Whole, with each refused line's Problem and Fault
+    input files           Lines (a file read as enqueue reads it), input_problem, MissingExtra
+    results               collect_once (the workers' results into the store); export, write_export,
+                          write_empty, check_target, ExportError (the OpenAI batch output file)
+    taking work back      cancel_prompts, cancelled_line (a span's prompts cancelled, their lines)
+    watching              gather_progress (the figures of a progress line), cannot_serve (what to
+                          say of a worker whose server cannot serve)
+
+Each name is documented where it is defined; this module adds `enqueue` and `repair_if_lost`.
+"""
 
 from __future__ import annotations
 
@@ -14,19 +33,57 @@ from batchfleet.fleetview import read_fleet_view
 from batchfleet.jobs import job_id_for
 from batchfleet.keys import Keys
 
-from .enqueue import EmptyInput, EnqueueSummary, enqueue_file
+from .collect import collect_once
+from .ends import cancel_prompts, cancelled_line
+from .enqueue import ChangedRequests, EmptyInput, EnqueueSummary, Fault, Problem, Whole, enqueue_file, enqueue_whole
+from .export import ExportError, check_target, export, write_empty, write_export
 from .feed import FeedSummary, feed_pass
-from .inputs import Lines
-from .locate import Located, Mode, ensure_marker, locate
+from .inputs import Lines, MissingExtra, input_problem
+from .locate import Access, Located, NoStore, ensure_marker, locate
 from .recover import _take_failed, recover
-from .store import Store, StoreError
+from .status import cannot_serve, gather_progress
+from .store import Span, Store, StoreError
 
-__all__ = ["Enqueued", "enqueue", "repair_if_lost"]
+__all__ = [
+    "Access",
+    "ChangedRequests",
+    "EmptyInput",
+    "EnqueueSummary",
+    "Enqueued",
+    "ExportError",
+    "Fault",
+    "Lines",
+    "Located",
+    "MissingExtra",
+    "NoStore",
+    "Problem",
+    "Span",
+    "Store",
+    "StoreError",
+    "Whole",
+    "cancel_prompts",
+    "cancelled_line",
+    "cannot_serve",
+    "check_target",
+    "collect_once",
+    "enqueue",
+    "enqueue_whole",
+    "ensure_marker",
+    "export",
+    "gather_progress",
+    "input_problem",
+    "locate",
+    "repair_if_lost",
+    "write_empty",
+    "write_export",
+]
 
 
 @dataclass
 class Enqueued:
-    store: Store  # open: the caller closes it
+    """What `enqueue` did: the run's store (open: the caller closes it), the file's summary, the feed pass."""
+
+    store: Store
     summary: EnqueueSummary
     fed: FeedSummary
     waiting: int  # prompts left in the store for the head to feed
@@ -53,7 +110,7 @@ def enqueue(config: Config, r: redis.Redis, path: str | Path, *, queues: tuple[s
     with Lines(str(path)) as source:
         if not source.has_prompt_line():
             raise EmptyInput(f"{source.name} holds no prompts (it is empty or only blank lines): nothing enqueued")
-        loc = locate(config, r, explicit=explicit, mode=Mode.CREATE)
+        loc = locate(config, r, explicit=explicit, access=Access.CREATE)
         try:
             if loc.store.cancelled_at() is not None:
                 raise StoreError(f"run {config.run} was cancelled (producer cancel): its workers take no more work; "

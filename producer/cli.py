@@ -49,7 +49,7 @@ from .export import ExportError, export
 from .feed import feed_pass
 from .head import Head
 from .inputs import MissingExtra, input_problem
-from .locate import Located, Mode, NoStore, ensure_marker, locate
+from .locate import Access, Located, NoStore, ensure_marker, locate
 from .parse import Reject, check_sampling, parse_param
 from .queues import LIVE, live_queues
 from .recover import recover
@@ -180,7 +180,7 @@ def _run(args: argparse.Namespace, config: Config, r: redis.Redis) -> int:
         require_run(r, args.target, where=f"in Redis at {redacted(config.redis_url)}")
         return ends.run_purge(config, r, args.target, yes=args.yes, force=args.force)
     if args.cmd == "status":
-        loc = locate(config, r, explicit=explicit, mode=Mode.READ)
+        loc = locate(config, r, explicit=explicit, access=Access.READ)
         try:
             print(format_status(gather_status(config, r, loc), as_json=args.json))
         finally:
@@ -189,7 +189,7 @@ def _run(args: argparse.Namespace, config: Config, r: redis.Redis) -> int:
     if args.cmd == "head" or (args.cmd == "collect" and args.follow):
         return Head(config, explicit=explicit, interval_s=args.interval, r=r).run()
     if args.cmd == "export":
-        loc = locate(config, r, explicit=explicit, mode=Mode.WRITE)
+        loc = locate(config, r, explicit=explicit, access=Access.WRITE)
         try:
             return _export(args, config, r, loc)
         finally:
@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace, config: Config, r: redis.Redis) -> int:
     r.ping()
     if args.cmd == "enqueue":
         return _enqueue(args, config, r, explicit)
-    loc = locate(config, r, explicit=explicit, mode=Mode.WRITE)
+    loc = locate(config, r, explicit=explicit, access=Access.WRITE)
     keys = Keys(config.run)
     try:
         if args.cmd == "collect":
@@ -316,7 +316,7 @@ def _interrupted(config: Config, r: redis.Redis, explicit: bool) -> int:
 def _stored(config: Config, r: redis.Redis, explicit: bool) -> str:
     """How many prompts the run's store holds now (after an interrupted enqueue), as text."""
     try:
-        loc = locate(config, r, explicit=explicit, mode=Mode.READ)
+        loc = locate(config, r, explicit=explicit, access=Access.READ)
     except (StoreError, redis.RedisError, sqlite3.Error):
         return "an unknown number of"
     try:

@@ -340,10 +340,10 @@ def refeed(r: redis.Redis, store: Store, keys: Keys) -> int:
 # --- the commands -----------------------------------------------------------------------------------
 def run_cancel(config: Config, r: redis.Redis, *, explicit: bool, wait_s: float) -> int:
     """`producer cancel`: exit 0 when cancelled and every live worker confirmed; 1 when some did not."""
-    from .locate import Mode, locate
+    from .locate import Access, locate
 
     r.ping()
-    loc = locate(config, r, explicit=explicit, mode=Mode.WRITE)
+    loc = locate(config, r, explicit=explicit, access=Access.WRITE)
     keys = Keys(config.run)
     try:
         s = cancel(r, loc.store, keys, wait_s=wait_s, ttl_s=config.finished_ttl_s)

@@ -20,6 +20,10 @@ of line numbers by `seq`. Every line read is counted in exactly one of the summa
 
 At the end, one feed pass puts a window into Redis (`feed.Feeder`) so a small run starts at once; the
 head process (`producer head`) feeds the rest as workers take prompts.
+
+`enqueue_whole` stores a file the other way, whole or not at all (a Batch API batch, `batchapi`): one
+new input in one transaction, each custom_id under a prefix, refused with its bad lines' problems.
+Both read lines with `read_requests`, so a line is a request, a blank or a reject by the same rules.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import uuid
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import partial
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -40,17 +45,21 @@ import orjson
 from batchfleet.records import ENDPOINTS
 from batchfleet.redact import private_file
 
+from .fingerprint import FileFingerprint, canonical_request
 from .inputs import MAX_LINE_BYTES, Lines
-from .parse import Reject, parse_line
+from .parse import NotJson, Reject, parse_line
 from .progress import Reporter
-from .store import UNBOUNDED_COST, FileFingerprint, Known, State, Store, StoreError, canonical_request
+from .store import UNBOUNDED_COST, Known, Span, State, Store, StoreError
 
-__all__ = ["ChangedRequests", "EmptyInput", "EnqueueSummary", "cost_of", "enqueue_file"]
+__all__ = ["ChangedRequests", "EmptyInput", "EnqueueSummary", "Fault", "Problem", "Request", "Whole", "cost_of",
+           "enqueue_file", "enqueue_whole", "read_requests"]
 
 BATCH = 5000  # prompts per store transaction
 MAX_MESSAGES = 100  # reject lines echoed on stderr; all of them go to the rejects file
 QUOTE_BYTES = 1024  # of a rejected line, the rejects file quotes this much
 _EP = {url: i for i, url in enumerate(ENDPOINTS)}
+
+Request = tuple[str, str, dict[str, Any]]  # (custom_id, url, body) of a valid line
 
 
 class EmptyInput(StoreError):
@@ -92,6 +101,28 @@ class EnqueueSummary:
 
     def text(self) -> str:
         return f"{self.lines:,} lines: {self.counts()}"
+
+
+def read_requests(source: Lines, defaults: dict[str, Any], model: str, *,
+                  batch_only: bool = False) -> Iterator[tuple[int, bytes, int, Request | Reject | None]]:
+    """Every line of `source` as enqueue reads it: (its number, its bytes, its length, what it is). What it
+    is: None (a blank line), the `Reject` saying why it is no request (a line longer than any request
+    may be, `NotJson`, a broken rule), or the request, (custom_id, url, body) as `parse_line` makes it
+    with `defaults` and `model` (`batch_only`: the simple form is refused)."""
+    for lineno, raw, length in source:
+        if not raw or raw.isspace():
+            yield lineno, raw, length, None
+            continue
+        if length > len(raw):
+            yield lineno, raw, length, Reject(f"line of {length:,} bytes is longer than any request may be "
+                                              f"({MAX_LINE_BYTES:,})")
+            continue
+        got: Request | Reject
+        try:  # enqueue's call passes no keyword: one costs on every line
+            got = parse_line(raw, defaults, model, batch_only=True) if batch_only else parse_line(raw, defaults, model)
+        except Reject as exc:
+            got = exc
+        yield lineno, raw, length, got
 
 
 def cost_of(body: dict[str, Any]) -> int:
@@ -208,6 +239,18 @@ class _Stage:
         self.db.close()
 
 
+class _Sorted:
+    """A batch of valid lines sorted out against the store (`_Writer._sort`)."""
+
+    __slots__ = ("firsts", "fresh", "repeats", "replace")
+
+    def __init__(self) -> None:
+        self.repeats: list[tuple[_Row, int, bool]] = []  # (row, line of its first occurrence, same request)
+        self.firsts: list[_Row] = []  # first lines in this file of prompts stored before: the fingerprint's terms
+        self.fresh: list[_Row] = []  # custom_ids new to the store (as far as this batch knows)
+        self.replace: list[tuple[int, int, bytes, int, int, int, bytes]] = []  # changed: the new requests
+
+
 class _Writer:
     """Sorts the valid lines out against the store, in batches: new prompts are stored (or staged),
     those the store holds with the same request are counted, changed ones are counted (and with
@@ -242,74 +285,91 @@ class _Writer:
         return self.stage is None and k.seq > self.start_seq and k.file == self.file_id
 
     def flush(self) -> None:
+        """Sort the lines added since the last flush out against the store (see the class doc)."""
         batch, self.batch = self.batch, []
         if not batch:
             return
-        s = self.summary
-        repeats: list[tuple[_Row, int, bool]] = []  # (row, line of its first occurrence, same request)
-        firsts: list[_Row] = []  # first occurrences in this file: its fingerprint's terms
-        fresh: list[_Row] = []  # custom_ids new to the store (as far as this batch knows)
-        replace: list[tuple[int, int, bytes, int, int, int, bytes]] = []
         failed: list[tuple[int, str]] = []
         with self.store.write() if self.stage is None else self.store.read():
-            cids = list(dict.fromkeys(row.cid for row in batch))
-            # A store that held nothing before has nothing to compare with: repeats of earlier batches
-            # show when their insert is ignored (below), as in a first enqueue of 10M lines they are rare.
-            known = self.store.known(cids) if self.start_seq else {}
-            staged = self.stage.first(cids) if self.stage is not None else {}
-            here: dict[str, tuple[int, bytes]] = {}  # new custom_ids first seen in this batch: (line, fp)
-            changed_here: dict[int, bytes] = {}  # stored prompts whose first line here (this batch) changed
-            if not known and not staged and len(cids) == len(batch):
-                fresh = batch  # as the loop below finds: no custom_id known, none twice
-            for row in batch if fresh is not batch else ():
-                k = known.get(row.cid)
-                if k is not None and not self._mine(k):  # in the store before this file
-                    first = self.first_lines.get(k.seq)
-                    if first:
-                        repeats.append((row, first, row.fp == changed_here.get(k.seq, k.fp)))
-                        continue
-                    self.first_lines.set(k.seq, row.line)
-                    firsts.append(row)
-                    if row.fp == k.fp:
-                        if k.state == State.DONE:
-                            s.collected += 1
-                        else:
-                            s.present += 1
-                        continue
-                    s.changed += 1
-                    s.first_change = s.first_change or (row.line, row.cid)
-                    changed_here[k.seq] = row.fp
-                    replace.append((k.seq, row.ep, row.body, self.file_id, row.line, row.cost, row.fp))
-                    continue
-                prev = here.get(row.cid) or staged.get(row.cid) or ((k.line, k.fp) if k is not None else None)
-                if prev is not None:
-                    repeats.append((row, prev[0], row.fp == prev[1]))
-                    continue
-                here[row.cid] = (row.line, row.fp)
-                fresh.append(row)
+            out = self._sort(batch)
             if self.stage is None:
-                n = self.store.insert_prompts([r[:7] for r in fresh])
-                s.new += n
-                if n < len(fresh):  # some were stored already: by an earlier line of this file, or meanwhile
-                    back = self.store.known([r.cid for r in fresh])
-                    stored = fresh
-                    fresh = []
-                    for r in stored:
-                        k = back[r.cid]
-                        if not self._mine(k):
-                            s.present += 1  # another enqueue stored this custom_id meanwhile
-                        elif k.line != r.line:
-                            repeats.append((r, k.line, r.fp == k.fp))
-                            continue
-                        fresh.append(r)
+                self._insert(out)
                 if self.rerun:
-                    failed = self.store.replace_requests(replace)
+                    failed = self.store.replace_requests(out.replace)
         if self.stage is not None:
-            self.stage.add(fresh)
+            self.stage.add(out.fresh)
         # in file order (`fresh` is, and so is `firsts`)
+        fresh, firsts = out.fresh, out.firsts
         self.file_fp.add_many((r.cid, r.fp) for r in (sorted(firsts + fresh, key=_line) if firsts else fresh))
         if failed and self.take_failed is not None:
             self.take_failed(failed)  # their failed jobs leave RQ's registry: the feed writes the new ones
+        self._report(out.repeats)
+
+    def _sort(self, batch: list[_Row]) -> _Sorted:
+        """Within the caller's transaction: which rows of `batch` are new, which the store holds already
+        (counted as present, collected or changed), which repeat an earlier line of this file."""
+        s, out = self.summary, _Sorted()
+        cids = list(dict.fromkeys(row.cid for row in batch))
+        # A store that held nothing before has nothing to compare with: repeats of earlier batches
+        # show when their insert is ignored (`_insert`), as in a first enqueue of 10M lines they are rare.
+        known = self.store.known(cids) if self.start_seq else {}
+        staged = self.stage.first(cids) if self.stage is not None else {}
+        if not known and not staged and len(cids) == len(batch):
+            out.fresh = batch  # as the loop below finds: no custom_id known, none twice
+            return out
+        repeats, firsts, fresh, replace = out.repeats, out.firsts, out.fresh, out.replace
+        here: dict[str, tuple[int, bytes]] = {}  # new custom_ids first seen in this batch: (line, fp)
+        changed_here: dict[int, bytes] = {}  # stored prompts whose first line here (this batch) changed
+        for row in batch:
+            k = known.get(row.cid)
+            if k is not None and not self._mine(k):  # in the store before this file
+                first = self.first_lines.get(k.seq)
+                if first:
+                    repeats.append((row, first, row.fp == changed_here.get(k.seq, k.fp)))
+                    continue
+                self.first_lines.set(k.seq, row.line)
+                firsts.append(row)
+                if row.fp == k.fp:
+                    if k.state == State.DONE:
+                        s.collected += 1
+                    else:
+                        s.present += 1
+                    continue
+                s.changed += 1
+                s.first_change = s.first_change or (row.line, row.cid)
+                changed_here[k.seq] = row.fp
+                replace.append((k.seq, row.ep, row.body, self.file_id, row.line, row.cost, row.fp))
+                continue
+            prev = here.get(row.cid) or staged.get(row.cid) or ((k.line, k.fp) if k is not None else None)
+            if prev is not None:
+                repeats.append((row, prev[0], row.fp == prev[1]))
+                continue
+            here[row.cid] = (row.line, row.fp)
+            fresh.append(row)
+        return out
+
+    def _insert(self, out: _Sorted) -> None:
+        """Store the new prompts of `out`. Those the store took meanwhile are found again: written by an
+        earlier line of this file (a repeat) or by another enqueue (present)."""
+        s = self.summary
+        n = self.store.insert_prompts([r[:7] for r in out.fresh])
+        s.new += n
+        if n == len(out.fresh):
+            return
+        back = self.store.known([r.cid for r in out.fresh])
+        stored, out.fresh = out.fresh, []
+        for r in stored:
+            k = back[r.cid]
+            if not self._mine(k):
+                s.present += 1  # another enqueue stored this custom_id meanwhile
+            elif k.line != r.line:
+                out.repeats.append((r, k.line, r.fp == k.fp))
+                continue
+            out.fresh.append(r)
+
+    def _report(self, repeats: list[tuple[_Row, int, bool]]) -> None:
+        """Each repeated custom_id of the batch, in file order: a duplicate, or a reject when its request
+        differs from its first line's."""
         for row, first, same in sorted(repeats, key=lambda rep: rep[0].line):
             if same:
                 self.reject(row.line, f"duplicate custom_id {row.cid!r} (first at line {first})", row.raw, row.length,
@@ -375,23 +435,17 @@ def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model
 
     writer = _Writer(store, source, summary, reject, rerun=rerun_changed, take_failed=take_failed)
     try:
-        for lineno, raw, length in source:
+        for lineno, raw, length, got in read_requests(source, defaults, model):
             summary.lines += 1
             if lineno % BATCH == 0:
                 report.update(summary.lines, source.nbytes)
-            if not raw or raw.isspace():
+            if type(got) is tuple:
+                cid, url, body = got
+                writer.add(cid, url, body, lineno, raw, length)
+            elif got is None:
                 summary.blank += 1
-                continue
-            if length > len(raw):
-                reject(lineno, f"line of {length:,} bytes is longer than any request may be ({MAX_LINE_BYTES:,})",
-                       raw, length)
-                continue
-            try:
-                cid, url, body = parse_line(raw, defaults, model)
-            except Reject as exc:
-                reject(lineno, str(exc), raw, length)
-                continue
-            writer.add(cid, url, body, lineno, raw, length)
+            else:
+                reject(lineno, str(got), raw, length)
         writer.finish()
         report.update(summary.lines, source.nbytes)
     finally:
@@ -400,3 +454,139 @@ def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model
         rejects.close()
     summary.seconds = time.monotonic() - start
     return summary
+
+
+# --- an input stored whole: a Batch API batch ---------------------------------------------------------
+class Fault(Enum):
+    """Why an input stored whole (`enqueue_whole`) was refused, line by line."""
+
+    NOT_JSON = "not_json"  # the line is not a JSON object
+    INVALID = "invalid"  # it breaks a rule of a request (or is longer than any request may be)
+    URL = "url"  # it asks another endpoint than the input's
+    DUPLICATE = "duplicate"  # it repeats the custom_id of an earlier line
+    TOO_MANY = "too_many"  # it is past the most requests the input may hold
+    EMPTY = "empty"  # (no line) the input holds no request
+
+
+class Problem(NamedTuple):
+    """A line that refused an input stored whole, and why (its message names what to change)."""
+
+    line: int | None  # None: the input as a whole
+    fault: Fault
+    message: str
+
+
+@dataclass
+class Whole:
+    """What `enqueue_whole` stored: the input's id and span, or the problems that refused it (then
+    nothing was stored and `input_id`, `span` are None)."""
+
+    input_id: int | None = None
+    span: Span | None = None
+    prompts: int = 0
+    model: str | None = None  # body.model of the first request
+    problems: list[Problem] = field(default_factory=list)  # by line, at most `max_problems`
+
+
+class _Refused(Exception):
+    """Some line is bad: roll the input's transaction back."""
+
+
+def enqueue_whole(store: Store, path: Path, *, name: str, prefix: str, url: str, model: str, max_requests: int,
+                  max_problems: int = 100) -> Whole:
+    """Store every request of the batch-form file at `path` as ONE new input named `name`, all of them or
+    none: read as `enqueue_file` reads a file (`read_requests`), each stored under `prefix + custom_id`,
+    in one write transaction (a crash leaves the whole input or none of it; its prompts hold consecutive
+    seqs, its `Span`: the writer lock keeps every other writer out meanwhile). A line that is no
+    request, asks another `url`, repeats a custom_id, or is past `max_requests` refuses the input with
+    its problem; so does a file without a request. Prompts already stored under `prefix` (a caller that
+    restarted after the commit) are found there, not stored twice. `model`: body.model of a line
+    without one."""
+    out = Whole()
+    try:
+        with store.write():
+            out.input_id = store.file_id(name)
+            span, n = store.span_of(prefix)
+            if n:
+                out.span, out.prompts, out.model = span, n, _model_of(store, span)
+                return out
+            lo = store.max_seq() + 1
+            _store_whole(store, out, path, prefix=prefix, url=url, model=model, max_requests=max_requests,
+                         max_problems=max_problems)
+            if out.problems:
+                out.problems.sort(key=lambda e: e.line or 0)
+                raise _Refused
+            if not out.prompts:
+                out.problems.append(Problem(None, Fault.EMPTY, "the input file holds no request"))
+                raise _Refused
+            out.span = Span(lo, store.max_seq())
+            if out.span.size != out.prompts:  # the writer lock keeps every other writer out: never
+                raise RuntimeError(f"input {name}: {out.prompts} prompts stored over seqs {out.span}")
+    except _Refused:
+        out.span, out.input_id, out.prompts = None, None, 0
+    return out
+
+
+def _store_whole(store: Store, out: Whole, path: Path, *, prefix: str, url: str, model: str, max_requests: int,
+                 max_problems: int) -> None:
+    file_fp = FileFingerprint()
+    rows: list[tuple[str, int, bytes, int, int, int, bytes]] = []
+    assert out.input_id is not None
+    ep, input_id, problems, append = _EP[url], out.input_id, out.problems, rows.append
+
+    def problem(line: int, fault: Fault, message: str) -> None:
+        if len(problems) < max_problems:
+            problems.append(Problem(line, fault, message))
+
+    with Lines(str(path)) as lines:
+        for lineno, _, _, got in read_requests(lines, {}, model, batch_only=True):
+            if got is None:
+                continue
+            if type(got) is not tuple:
+                problem(lineno, Fault.NOT_JSON if isinstance(got, NotJson) else Fault.INVALID, str(got))
+                continue
+            cid, u, body = got
+            if u != url:
+                problem(lineno, Fault.URL, f"url {u} is not the batch's endpoint {url}")
+                continue
+            out.prompts += 1
+            if out.prompts > max_requests:
+                problem(lineno, Fault.TOO_MANY, f"the batch holds more than {max_requests:,} requests")
+                return
+            if out.model is None:
+                out.model = body.get("model") if isinstance(body.get("model"), str) else None
+            if len(problems) >= max_problems:
+                return  # the input is refused; enough said
+            canon, fp = canonical_request(u, body)
+            append((prefix + cid, ep, canon, input_id, lineno, cost_of(body), fp))
+            if len(rows) >= BATCH:
+                _insert_whole(store, rows, prefix, file_fp, problem)
+        _insert_whole(store, rows, prefix, file_fp, problem)
+        if not problems:
+            store.record_input(input_id, lines.path, file_fp, time.time())
+
+
+def _insert_whole(store: Store, rows: list[tuple[str, int, bytes, int, int, int, bytes]], prefix: str,
+                  file_fp: FileFingerprint, problem: Callable[[int, Fault, str], None]) -> None:
+    """Store these rows and add them to the input's fingerprint; a custom_id stored already (by an
+    earlier line of this input) is a problem."""
+    if not rows:
+        return
+    cut = len(prefix)
+    file_fp.add_many((r[0][cut:], r[6]) for r in rows)
+    n = store.insert_prompts(rows)  # also once the input is refused (rolled back at the end): repeats show
+    if n < len(rows):
+        known = store.known([r[0] for r in rows])
+        for cid, _, _, _, line, _, _ in rows:
+            first = known[cid].line
+            if first != line:
+                problem(line, Fault.DUPLICATE, f"custom_id {cid[cut:]!r} is already on line {first}")
+    rows.clear()
+
+
+def _model_of(store: Store, span: Span | None) -> str | None:
+    if span is None:
+        return None
+    row = store.db.execute("SELECT body FROM prompts WHERE seq = ?", (span.lo,)).fetchone()
+    model = orjson.loads(row[0]).get("model") if row else None
+    return model if isinstance(model, str) else None

@@ -44,7 +44,7 @@ from batchfleet.redact import Scrubber
 from .collect import CollectSummary, collect_once
 from .ends import expire_finished, mark_ended, refeed
 from .feed import DrainMeter, Feeder
-from .locate import Mode, NoStore, ensure_marker, locate
+from .locate import Access, NoStore, ensure_marker, locate
 from .recover import audit, recover
 from .store import Store, StoreError
 
@@ -192,7 +192,7 @@ class Head:
 
     def _open(self) -> bool:
         try:
-            loc = locate(self.config, self.r, explicit=self.explicit, mode=Mode.WRITE)
+            loc = locate(self.config, self.r, explicit=self.explicit, access=Access.WRITE)
         except NoStore as exc:
             if not self.waiting_said:
                 self.waiting_said = True

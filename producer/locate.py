@@ -29,12 +29,14 @@ from batchfleet.marker import FINISHED, RunMarker, read_marker
 
 from .store import MissingStore, Store, StoreError
 
-__all__ = ["HOST", "Located", "Mode", "NoStore", "ensure_marker", "locate"]
+__all__ = ["HOST", "Access", "Located", "NoStore", "ensure_marker", "locate"]
 
 HOST = socket.gethostname()
 
 
-class Mode(Enum):
+class Access(Enum):
+    """What a command does with the run's store, so what `locate` may do to find it."""
+
     CREATE = "create"  # enqueue: create the store when the run is new
     WRITE = "write"  # head, collect, recover, export: the store must exist
     READ = "read"  # status: read-only
@@ -52,7 +54,7 @@ class Located:
     lost: bool = False  # the marker is missing while the store has fed prompts: Redis lost the run's data
 
 
-def locate(config: Config, r: redis.Redis | None, *, explicit: bool, mode: Mode) -> Located:
+def locate(config: Config, r: redis.Redis | None, *, explicit: bool, access: Access) -> Located:
     """The run's store (see the module doc). `explicit`: --state-dir / BATCHFLEET_STATE_DIR was given.
     Raises StoreError (with the right store named) or NoStore."""
     keys = Keys(config.run)
@@ -76,7 +78,7 @@ def locate(config: Config, r: redis.Redis | None, *, explicit: bool, mode: Mode)
             raise StoreError(f"run {config.run}'s store is {marker.path} on {marker.host}, not {given}: "
                              f"use --state-dir {marker.state_dir}, or give no --state-dir")
         try:
-            store = Store.open(path, run=config.run, readonly=mode is Mode.READ)
+            store = Store.open(path, run=config.run, readonly=access is Access.READ)
         except MissingStore:
             raise StoreError(f"run {config.run}'s store {marker.path} on {marker.host} (named by the run marker "
                              f"{keys.meta} in Redis) is missing") from None
@@ -85,11 +87,11 @@ def locate(config: Config, r: redis.Redis | None, *, explicit: bool, mode: Mode)
             raise StoreError(f"{path} is not run {config.run}'s store: its id is {store.id}, the run marker in "
                              f"Redis names store {marker.store_id} at {marker.path} on {marker.host}")
         return Located(store, marker)
-    if mode is Mode.CREATE and redis_error is None:
+    if access is Access.CREATE and redis_error is None:
         store = Store.create_or_open(given, run=config.run)
     else:
         try:
-            store = Store.open(given, run=config.run, readonly=mode is Mode.READ or redis_error is not None)
+            store = Store.open(given, run=config.run, readonly=access is Access.READ or redis_error is not None)
         except MissingStore:
             if redis_error is not None:
                 raise StoreError(f"Redis is down ({redis_error}) and there is no store at {given}: give "

@@ -23,6 +23,8 @@ import orjson
 from batchfleet.prompts import (
     ALIASES,
     BODY_KEYS,
+    CHAT,
+    COMPLETIONS,
     SAMPLING_KEYS,
     STREAM_REASON,
     InvalidPrompt,
@@ -32,13 +34,16 @@ from batchfleet.prompts import (
 )
 from batchfleet.records import ENDPOINTS
 
-__all__ = ["SAMPLING_KEYS", "Reject", "check_sampling", "parse_line", "parse_param"]
-
-CHAT, COMPLETIONS = ENDPOINTS
+__all__ = ["SAMPLING_KEYS", "NotJson", "Reject", "check_sampling", "parse_line", "parse_param"]
 
 # This line cannot become a prompt; the message says why. The same class the worker refuses a job
 # with: the rules live in `batchfleet.prompts`, shared by both.
 Reject = InvalidPrompt
+
+
+class NotJson(Reject):
+    """The line is not a JSON object at all: its text is wrong, before any rule of a request."""
+
 
 # Accepted in a batch body besides the sampling keys: they shape the request, not the sampling.
 _BODY_KEYS = frozenset({"messages", "prompt", *BODY_KEYS})
@@ -98,9 +103,9 @@ def parse_line(raw: bytes | str, defaults: dict[str, Any], model: str, *,
     try:
         d = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise Reject(f"not JSON ({exc.args[0].split(':')[0]})") from None
+        raise NotJson(f"not JSON ({exc.args[0].split(':')[0]})") from None
     if not isinstance(d, dict):
-        raise Reject(f"not a JSON object (a {type(d).__name__})")
+        raise NotJson(f"not a JSON object (a {type(d).__name__})")
     if "body" in d or "url" in d or "method" in d:
         cid, url, body = _parse_batch(d, defaults, model)
     elif batch_only:

@@ -17,13 +17,26 @@ from batchfleet.connection import redacted
 from batchfleet.fleetview import SILENT_AFTER_S, FleetView, read_fleet_view
 from batchfleet.keys import Keys, valid_queue_name
 from batchfleet.marker import repair_command
+from batchfleet.records import WorkerState
 
 from .locate import Located
 from .recover import audit
 from .runs import input_dict, input_text
 from .store import Store
 
-__all__ = ["format_status", "gather_progress", "gather_status"]
+__all__ = ["cannot_serve", "format_status", "gather_progress", "gather_status"]
+
+_CANNOT_SERVE = {WorkerState.FAILED: "GPU FAILED (takes no work)", WorkerState.DOWN: "server DOWN"}
+
+
+def cannot_serve(state: str) -> str | None:
+    """What to say of a worker whose server cannot serve, from its `state` (a `WorkerState` value, as in
+    the `not_serving` of `workers`): "GPU FAILED (takes no work)", "server DOWN", or None while it starts
+    or restarts (it will serve)."""
+    try:
+        return _CANNOT_SERVE.get(WorkerState(state))
+    except ValueError:
+        return None
 
 
 def gather_status(config: Config, r: redis.Redis, loc: Located) -> dict[str, Any]:
@@ -177,11 +190,10 @@ def format_status(st: dict[str, Any], *, as_json: bool) -> str:
             lines.append(f"  {w['unreadable']} status record(s) this version cannot read (a newer worker?): skipped, "
                          "see the warning")
         for d in w.get("not_serving", []):
-            if d["state"] in ("down", "failed"):
+            if (what := cannot_serve(d["state"])) is not None:
                 why = (d["message"] or "?").rstrip().replace("\n", "\n    ")
-                what = "GPU FAILED (takes no work)" if d["state"] == "failed" else "server DOWN"
                 lines.append(f"  worker {d['worker']} (queue {d['queue']}): {what}: {why}")
-        starting = sum(1 for d in w.get("not_serving", []) if d["state"] not in ("down", "failed"))
+        starting = sum(1 for d in w.get("not_serving", []) if cannot_serve(d["state"]) is None)
         if starting:
             lines.append(f"  {starting} worker(s) starting or restarting their server")
     else:

@@ -36,14 +36,15 @@ def dead_pid() -> int:
 
 # --- the lease, on a real Redis ------------------------------------------------------------------------
 def test_a_second_lease_of_a_run_is_refused_with_the_holders_host_and_pid(r: redis.Redis) -> None:
-    first = LaunchLease(r, Keys("lr"))
+    first, other = LaunchLease(r, Keys("lr")), LaunchLease(r, Keys("other"))
     first.acquire()
     try:
         with pytest.raises(RunActive, match=rf"another batchfleet run of lr is active \({HOST}, pid {os.getpid()},"):
             LaunchLease(r, Keys("lr")).acquire()
-        LaunchLease(r, Keys("other")).acquire()  # another run is not affected
+        other.acquire()  # another run is not affected
     finally:
         first.release()
+        other.release()  # its renewing thread would keep its key in the tests' Redis
     assert not r.exists(Keys("lr").launcher)  # released: the next one may start
     again = LaunchLease(r, Keys("lr"))
     again.acquire()

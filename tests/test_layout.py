@@ -43,6 +43,38 @@ def imported(package: str) -> dict[str, set[str]]:
     return out
 
 
+def producer_imports(package: str) -> list[str]:
+    """Every import of the producer in `package` (anywhere, lazily too), as `file: module.name`."""
+    out = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                out += [f"{where}: {a.name}" for a in node.names if a.name.split(".")[0] == "producer"]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("producer"):
+                out += [f"{where}: {node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def test_the_batch_api_and_the_launchers_use_only_the_producers_public_api() -> None:
+    """`batchapi` and `fleetrun` import `producer.api` and, of it, only the names its `__all__` lists:
+    the rest of the producer may change shape without them noticing."""
+    import producer.api
+
+    public = {f"producer.api.{name}" for name in producer.api.__all__}
+    found = producer_imports("batchapi") + producer_imports("fleetrun")
+    assert found, "the check finds the imports it looks for"
+    assert [x for x in found if x.partition(": ")[2] not in public] == []
+
+
+def test_the_producers_public_api_names_only_what_it_defines_or_imports() -> None:
+    import producer.api
+
+    assert sorted(producer.api.__all__) == producer.api.__all__
+    assert [n for n in producer.api.__all__ if n.startswith("_") or not hasattr(producer.api, n)] == []
+    assert [n for n in producer.api.__all__ if not getattr(producer.api, n).__doc__] == []  # each is documented
+
+
 def test_the_simulator_and_the_fleet_share_no_code() -> None:
     crossing = {p: files for p in PRODUCT if (files := imported(p).get("sglang_sim"))}
     assert crossing == {}, "the fleet imports the simulator"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -211,11 +212,11 @@ def test_ctrl_c_keeps_what_was_written_and_a_rerun_completes(cli: Cli, r: redis.
     real = parse_module.parse_line
     seen = [0]
 
-    def interrupted(raw: bytes, *args: object) -> object:
+    def interrupted(raw: bytes, *args: Any, **kwargs: Any) -> object:
         seen[0] += 1
         if seen[0] == 7000:
             raise KeyboardInterrupt
-        return real(raw, *args)
+        return real(raw, *args, **kwargs)
 
     with monkeypatch.context() as m:
         m.setattr("producer.enqueue.parse_line", interrupted)

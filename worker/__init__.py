@@ -37,6 +37,7 @@ import orjson
 import redis
 from rq.worker import BaseWorker
 
+from batchfleet.cliopts import EXIT_CONFIG, EXIT_SERVER_TAKEN
 from batchfleet.config import Config, gpu_group_for_queue, model_path_problem, queue_host, redis_url_problem
 from batchfleet.connection import async_client_like, with_timeouts
 from batchfleet.errors import ConfigError
@@ -49,12 +50,9 @@ from .gpu import listed_gpus
 from .lock import GroupLock, ServerTaken
 from .service import GPUService
 
-__all__ = ["EXIT_CONFIG", "EXIT_SERVER_TAKEN", "GPUWorker", "preflight_rq_cli", "rq_cli_url"]
+__all__ = ["GPUWorker", "preflight_rq_cli", "rq_cli_url"]
 
 log = logging.getLogger("batchfleet.worker")
-
-EXIT_CONFIG = 2
-EXIT_SERVER_TAKEN = 3
 
 
 def _option(argv: list[str], long: str, short: str) -> str | None:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from batchfleet import sglang
+from batchfleet.cliopts import EXIT_CONFIG, EXIT_SHUTDOWN_COMMAND
 from batchfleet.config import Config
 from batchfleet.connection import redacted
 from batchfleet.errors import ConfigError
@@ -50,12 +51,9 @@ from .spec import SpecFollower
 from .status import HOST, StatusPublisher, StatusReporter, gpu_model
 from .steal import StealOrder
 
-__all__ = ["EXIT_SHUTDOWN_COMMAND", "GPUService"]
+__all__ = ["GPUService"]
 
 log = logging.getLogger("batchfleet.worker")
-
-EXIT_CONFIG = 2  # = worker.EXIT_CONFIG: a configuration error a person must fix
-EXIT_SHUTDOWN_COMMAND = 75  # EX_TEMPFAIL: stopped on request through Redis; a supervisor restarts it
 
 
 class GPUService:

@@ -170,7 +170,9 @@ async def _serve(state: ServerState, radix: bool, faults: Faults, argv: list[str
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None,
                            keepalive_timeout=keepalive_s)
     await runner.setup()
-    site = web.TCPSite(runner, flags["host"], flags["port"])
+    # uvicorn's listen backlog (2048; aiohttp's own is 128): a client opening a thousand connections at
+    # once must not overflow the accept queue (the kernel then drops or resets them).
+    site = web.TCPSite(runner, flags["host"], flags["port"], backlog=2048)
     uvicorn_log("INFO", f"Started server process [{os.getpid()}]")
     uvicorn_log("INFO", "Waiting for application startup.")
     uvicorn_log("INFO", "Application startup complete.")

@@ -56,8 +56,10 @@ def resolve_strategy(requested: str, *, hybrid: bool, overlap: bool, legacy: boo
     if not hybrid:
         return requested if requested != "auto" else "no_buffer", overlap
     if requested == "auto":
-        # auto keeps extra_buffer only when the overlap scheduler runs; else it drops to no_buffer.
-        requested, overlap = ("extra_buffer", True) if overlap else ("no_buffer", False)
+        # auto keeps extra_buffer when the overlap scheduler runs or pages are wider than a token; else
+        # it drops to no_buffer (srt/arg_groups/overrides.py _mamba_radix_cache_resolution).
+        paged = page_size is not None and page_size > 1
+        requested, overlap = ("extra_buffer", overlap) if overlap or paged else ("no_buffer", False)
     if requested == "no_buffer" and page_size not in (None, 1) and not legacy:
         # srt/arg_groups/mamba_hook.py validate_mamba_no_buffer: only the sequence-end state exists
         raise MainProcessError("AssertionError: no_buffer only supports page_size=1.")

@@ -99,10 +99,11 @@ class RadixTree:
         head.children[self._child_key(node.key, 0)] = node
         return head
 
-    def _walk(self, words: list[str], end: int, need_state: bool) -> tuple[Node, Node, int]:
-        """(deepest accepted node, last node walked, KV match length) for words[:end]."""
-        node = best = self.root
-        off = 0
+    def _walk(self, words: list[str], end: int, need_state: bool, start: Node | None = None) -> tuple[Node, Node, int]:
+        """(deepest accepted node, last node walked, KV match length) for words[:end], from the root or
+        from `start`, a node whose path is words[:start.depth]."""
+        node = best = start or self.root
+        off = node.depth
         while off < end:
             child = node.children.get(self._child_key(words, off))
             if child is None:
@@ -134,11 +135,14 @@ class RadixTree:
             best.state_access = now
         return Match(best, best.depth, full)
 
-    def insert(self, words: list[str], length: int, *, state: bool = False) -> Node:
+    def insert(self, words: list[str], length: int, *, state: bool = False, start: Node | None = None) -> Node:
         """Make words[:length] (cut to pages) a path of the tree; a state at its end when asked.
-        Returns the node ending at that length (the root for 0)."""
+        Returns the node ending at that length (the root for 0). `start`: a node on that path (a
+        request's locked node, whose path is its first words), to walk from instead of the root."""
         length -= length % self.page
-        _, node, off = self._walk(words, length, False)
+        if start is not None and (start.depth > length or (start.parent is None and start is not self.root)):
+            start = None
+        _, node, off = self._walk(words, length, False, start)
         now = next(self._clock)
         n: Node | None = node
         while n is not None:
@@ -197,6 +201,7 @@ class RadixTree:
         parent = leaf.parent
         assert parent is not None
         del parent.children[self._child_key(leaf.key, 0)]
+        leaf.parent = None  # detached
         self._leaves.discard(leaf)
         self.total -= len(leaf.key)
         if leaf.state:

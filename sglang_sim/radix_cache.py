@@ -92,7 +92,8 @@ class RequestCache:
         req.cache_node, req.cache_len = None, 0
 
     def _move_lock(self, req: Request, words: list[str], length: int, *, state: bool) -> None:
-        node = self.tree.insert(words, length, state=state)
+        # the request's locked node ends its first cache_len words: the walk starts there
+        node = self.tree.insert(words, length, state=state, start=req.cache_node)
         self.tree.lock(node)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
@@ -134,8 +135,10 @@ class RequestCache:
             if not self.states:
                 self._move_lock(req, words, owned, state=False)
                 prompt = len(req.prompt_words) // self.cfg.page * self.cfg.page
-                if 0 < prompt < owned // self.cfg.page * self.cfg.page:
-                    self.tree.insert(req.prompt_words, prompt)  # a node boundary at the prompt's end
+                if 0 < prompt < owned // self.cfg.page * self.cfg.page and req.prefill_end != len(req.prompt_words):
+                    # a node boundary at the prompt's end (the end-of-prefill insert made it already
+                    # unless the request was re-admitted with output)
+                    self.tree.insert(req.prompt_words, prompt)
             elif not self.extra:
                 self._move_lock(req, words, owned, state=True)
             else:

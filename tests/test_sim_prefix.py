@@ -9,8 +9,10 @@ import hashlib
 import re
 
 import httpx
+import pytest
 
-from tests.simproc import SimProc, start_sim
+from sglang_sim.profiles import get_profile
+from tests.simproc import SimProc, run_sim_cli, start_sim
 
 FAST = {"SGLANG_SIM_STARTUP_S": "0.05", "SGLANG_SIM_TIME_SCALE": "50", "SGLANG_SIM_PROFILE": "tiny-plain"}
 
@@ -58,6 +60,32 @@ def test_a_repeated_long_prompt_reuses_all_but_its_last_token_in_meta_log_and_me
         assert gauge(sim, "prompt_tokens_total") == 1800
         assert gauge(sim, "cached_tokens_total") == 1099
         assert sim.observed()["cached_tokens_total"] == 1099
+
+
+def test_a_match_is_cut_to_whole_pages_of_page_size() -> None:
+    with start_sim("--page-size", "16", env=FAST) as sim:
+        gen(sim, words("p", 600))
+        assert gen(sim, words("p", 600))["meta_info"]["cached_tokens"] == 592  # 599 cut to pages of 16
+        assert gen(sim, words("p", 500) + " " + words("x", 9))["meta_info"]["cached_tokens"] == 496
+
+
+def test_no_buffer_with_pages_wider_than_a_token_fails_at_start_up_as_0_5_23_does() -> None:
+    p = run_sim_cli("--model-path", "sim/model", "--mamba-radix-cache-strategy", "no_buffer",
+                    "--disable-overlap-schedule", "--page-size", "16", env={"SGLANG_SIM_PROFILE": "tiny-hybrid"})
+    assert p.returncode == 1
+    assert p.stderr.rstrip().endswith("AssertionError: no_buffer only supports page_size=1.")
+
+
+def test_prefill_time_grows_with_the_uncached_tokens_only() -> None:
+    """One output token: the request's latency is its prefill (model seconds, tiny-plain's cost model)."""
+    prof = get_profile("tiny-plain")
+    with start_sim(env=FAST) as sim:
+        cold = gen(sim, words("p", 3000), max_new=1)["meta_info"]["e2e_latency"]
+        warm = gen(sim, words("p", 3000), max_new=1)["meta_info"]["e2e_latency"]
+        half = gen(sim, words("p", 1500) + " " + words("x", 1500), max_new=1)["meta_info"]["e2e_latency"]
+    assert cold == pytest.approx(prof.prefill_s(3000), abs=2e-6)
+    assert warm == pytest.approx(prof.prefill_s(1), abs=2e-6)
+    assert half == pytest.approx(prof.prefill_s(1500), abs=2e-6)
 
 
 def test_cached_tokens_no_request_holds_count_as_free_in_token_usage() -> None:

@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from .faults import Faults
 from .logs import log
 from .memory import MemoryPlan
 from .metrics import Metrics
 from .parallel import Layout
-from .prefix_cache import PrefixCache
 from .profiles import Profile
+from .radix_cache import CacheConfig, RequestCache
 
 __all__ = ["Engine", "EngineConfig", "QueueFullError", "Request"]
 
@@ -52,12 +54,19 @@ class Request:
     admitted_model: float | None = None
     first_token_model: float | None = None
     finish_model: float | None = None
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # reused at the first prefill (meta_info; a retracted request keeps it)
     generated: int = 0
     state: str = "waiting"  # waiting | running | finished | aborted
     abort_message: str | None = None
     abort_status: int = 200
     retractions: int = 0
+    # radix cache (radix_cache.py): the locked node, the tokens the tree owns, this admission's reuse
+    cache_node: Any = None
+    cache_len: int = 0
+    prefix_len: int = 0
+    branching: int | None = None
+    prefill_end: int = 0
+    log_entry: list | None = None  # the request's row of the observation record, when it keeps one
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -87,6 +96,19 @@ class EngineConfig:
     time_scale: float
     max_queued: int | None
     layout: Layout = field(default_factory=Layout)
+    page_size: int = 1  # --page-size
+    track_interval: int = 256  # --mamba-track-interval
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(enabled=self.radix, hybrid=self.profile.hybrid, strategy=self.strategy,
+                           page=self.page_size, chunk=self.plan.chunked_prefill_size,
+                           track_interval=self.track_interval)
+
+    @property
+    def live_mamba_slots(self) -> int:
+        """Mamba slots a running request holds of its own: 1 working slot, plus the tracking slots of
+        extra_buffer variants (2 at ratio 5, 1 at ratio 4)."""
+        return self.plan.ratio - 2 if self.strategy.startswith("extra_buffer") else 1
 
     def decode_step_s(self, batch: int) -> float:
         """One decode step of `batch` requests on this server's group (parallel.py's speed model)."""
@@ -108,7 +130,8 @@ class Rank:
         self.running: list[Request] = []
         self.t = 0.0  # this rank's model clock (lags the global clock by less than one step)
         self.decode_steps = 0
-        self.cache = PrefixCache(self.tokens // 2, enabled=cfg.radix)
+        self.cache = RequestCache(cfg.cache_config())
+        self.last_prefill_t = 0.0
         self.last_log_t, self.last_log_tokens, self.gen_tokens = 0.0, 0, 0
         self.gen_throughput = 0.0
         self.hung = False
@@ -122,8 +145,36 @@ class Rank:
         self.longest_s = 0.0  # the longest admission-to-finish of a client request, in model time
 
     # ---- usage figures -------------------------------------------------------------------
+    def private_tokens(self) -> int:
+        """KV of running requests that the radix tree does not hold."""
+        return sum(r.prompt_tokens + r.generated - r.cache_len for r in self.running)
+
     def used_tokens(self) -> int:
-        return sum(r.prompt_tokens + r.generated for r in self.running)
+        """SGLang's num_used: the pool less free and evictable tokens (cached tokens no running request
+        locks count as free)."""
+        return self.private_tokens() + self.cache.protected
+
+    def _make_room(self, tokens: int) -> None:
+        """Evict unlocked cached tokens (LRU leaves) until `tokens` more fit in the pool, as the
+        allocator does before it allocates (`evict_from_tree_cache`)."""
+        over = self.private_tokens() + self.cache.tree.total + tokens - self.tokens
+        if over > 0:
+            self.cache.tree.evict_tokens(over)
+
+    def _fit_states(self) -> None:
+        """Cached mamba states share the pool with running requests' own slots: evict the least
+        recently used unlocked ones past what is left (SGLang evicts when a slot allocation fails)."""
+        cfg = self.engine.cfg
+        if not (cfg.profile.hybrid and cfg.radix):
+            return
+        room = max(0, cfg.plan.mamba_pool - len(self.running) * cfg.live_mamba_slots)
+        tree = self.cache.tree
+        if tree.states > room:
+            tree.evict_states(tree.states - room)
+
+    def _mamba_slot_free(self) -> bool:
+        cfg = self.engine.cfg
+        return cfg.plan.mamba_pool - len(self.running) * cfg.live_mamba_slots - self.cache.tree.states > 0
 
     def mamba_used(self) -> int:
         cfg = self.engine.cfg
@@ -158,30 +209,43 @@ class Rank:
 
     # ---- scheduling ----------------------------------------------------------------------
     def _admit(self) -> list[Request]:
+        """FCFS admission. Each candidate is matched and its prefix locked first, so the budget sees
+        its cached tokens as in use and every other cached token as free (PrefillAdder.add_one_req)."""
         batch: list[Request] = []
         budget = self.engine.cfg.plan.chunked_prefill_size
-        reserved = sum(r.reserve_tokens for r in self.running)
+        cache = self.cache
+        reserved = cache.protected + sum(r.reserve_tokens - r.cache_len for r in self.running)
         new_tokens = 0
         while self.waiting and len(self.running) + len(batch) < self.cap:
             req = self.waiting[0]
             if req.state != "waiting":
                 self.waiting.popleft()
                 continue
-            if reserved + req.reserve_tokens > self.tokens or (
-                    req.retractions and reserved + req.prompt_tokens + len(req.output_words) > self.tokens):
+            if (self.running or batch) and reserved + req.reserve_tokens - req.prompt_tokens - req.generated >= \
+                    self.tokens:  # cannot fit whatever it reuses: spare the match (CPU)
+                break
+            cached, moved = cache.admit(req)
+            need = reserved + moved + req.reserve_tokens - cached
+            whole = reserved + moved + req.prompt_tokens + len(req.output_words) - cached
+            if need > self.tokens or (req.retractions and whole > self.tokens):
+                cache.release(req)
                 if not self.running and not batch:  # cannot fit even alone
                     self.waiting.popleft()
                     self.engine.finish_abort(req, "Input is too long to fit in the KV cache.", status=500)
                     continue
                 break
-            cached = self.cache.match(req.prompt_words)
-            if batch and new_tokens + req.prompt_tokens + req.generated - cached > budget:
+            extend = req.prompt_tokens + req.generated - cached
+            if batch and new_tokens + extend > budget:
+                cache.release(req)
                 break
             self.waiting.popleft()
-            req.cached_tokens = cached
+            if not req.retractions:
+                req.cached_tokens = cached
+                if req.log_entry is not None:
+                    req.log_entry[2] = cached
             batch.append(req)
-            reserved += req.reserve_tokens
-            new_tokens += req.prompt_tokens + req.generated - cached
+            reserved = need
+            new_tokens += extend
         return batch
 
     def advance(self, now: float) -> None:
@@ -195,12 +259,15 @@ class Rank:
                 # The batch arrived after this rank's clock: the GPU did not sit idle waiting for it,
                 # it kept decoding, and the prefill follows the step in progress. (Jumping the clock
                 # to the arrival would idle every running request for up to a step per admission.)
+                for r in batch:
+                    self.cache.release(r)
                 self.waiting.extendleft(reversed(batch))
                 step = cfg.decode_step_s(self.step_batch())
                 self._decode(math.ceil((min(r.arrival_model for r in batch) - self.t) / step))
                 continue
             if batch:
-                new_tokens = sum(r.prompt_tokens + r.generated - r.cached_tokens for r in batch)
+                new_tokens = sum(r.prompt_tokens + r.generated - r.prefix_len for r in batch)
+                self._make_room(new_tokens)  # the extend's KV is allocated before the forward
                 self.t = max(self.t, min(r.arrival_model for r in batch))
                 if self.first_admit is None and any(not r.internal for r in batch):
                     self.first_admit = (self.t, self.slot_s)
@@ -211,11 +278,13 @@ class Rank:
                     r.state, r.admitted_model = "running", self.t
                     self.running.append(r)
                     engine.on_admitted(r)
+                    self.cache.prefilled(r)  # the chunk-end and end-of-prefill checkpoints
                     if r.first_token_model is None:  # a re-admitted (retracted) request keeps its output
                         r.generated = min(1, len(r.output_words))  # prefill samples the first token
                         r.first_token_model = self.t
                         self.gen_tokens += r.generated
                     r.changed.set()
+                self._fit_states()
                 engine.metrics.on_prefill(batch, self.t)
                 if self.full_at is None and len(self.running) >= self.cap:
                     self.full_at = (self.t, self.slot_s)
@@ -225,10 +294,14 @@ class Rank:
                     usage = f"full token usage: {self.full_usage():.2f}, mamba usage: {self.mamba_usage():.2f}"
                 else:
                     usage = f"token usage: {self.full_usage():.2f}"
+                gap, self.last_prefill_t = self.t - self.last_prefill_t, self.t
+                pending = sum(q.prompt_tokens + q.generated for q in self.waiting if q.state == "waiting")
                 self._log(
                     f"Prefill batch, #new-seq: {len(batch)}, #new-token: {new_tokens}, "
-                    f"#cached-token: {sum(r.cached_tokens for r in batch)}, {usage}, "
-                    f"#running-req: {len(self.running)}, #queue-req: {len(self.waiting)}"
+                    f"#cached-token: {sum(r.prefix_len for r in batch)}, {usage}, "
+                    f"#running-req: {len(self.running)}, #queue-req: {len(self.waiting)}, "
+                    f"#pending-token: {pending}, cuda graph: False, "
+                    f"input throughput (token/s): {new_tokens / gap if gap > 0 else 0.0:.2f}"
                 )
                 self._retire(engine)
                 if self.hung:
@@ -259,6 +332,7 @@ class Rank:
         room = max(1, (self.tokens - self.used_tokens()) // len(self.running))
         k = min(steps, min(r.remaining for r in self.running), to_log, room)
         k = max(k, 1)
+        self._make_room(k * len(self.running))  # check_decode_mem evicts before it retracts
         self.slot_s += k * step * len(self.running)
         self.t += k * step
         self.decode_steps += k
@@ -277,6 +351,7 @@ class Rank:
         while len(self.running) > 1 and self.used_tokens() + len(self.running) > self.tokens:
             victim = min(self.running, key=lambda r: (r.generated, -r.prompt_tokens))
             self.running.remove(victim)
+            self.cache.release(victim)  # its KV is freed, not inserted: the pool needs the room now
             victim.state, victim.retractions = "waiting", victim.retractions + 1
             retracted.append(victim)
         if retracted:
@@ -301,6 +376,7 @@ class Rank:
         still = []
         for r in self.running:
             if r.state == "aborted":
+                self.cache.release(r)
                 continue
             if r.remaining <= 0:
                 r.state, r.finish_model = "finished", self.t
@@ -308,13 +384,20 @@ class Rank:
                     engine.last_finish_wall = time.time()
                     if r.admitted_model is not None:
                         self.longest_s = max(self.longest_s, self.t - r.admitted_model)
-                self.cache.insert(r.prompt_words)
+                self.cache.finished(r, slot_free=self._mamba_slot_free())
                 engine.metrics.on_finish(r)
                 r.changed.set()
                 r.done.set()
             else:
                 still.append(r)
         self.running = still
+        self._fit_states()
+
+    def drop_aborted(self) -> None:
+        for r in self.running:
+            if r.state != "running":
+                self.cache.release(r)
+        self.running = [r for r in self.running if r.state == "running"]
 
 
 class Engine:
@@ -330,6 +413,9 @@ class Engine:
         self.peak_running = 0
         self.peak_queued = 0
         self.on_tick: list = []  # callbacks after each tick (observation record)
+        # [rid, prompt tokens, cached tokens, sha1 of the first 32 words (12 hex)] per client request, in
+        # arrival order, when the observation record lists them (SGLANG_SIM_RECORD_REQUESTS=1)
+        self.request_log: list[list] | None = None
         self._task: asyncio.Task | None = None
 
     def model_now(self) -> float:
@@ -357,6 +443,10 @@ class Engine:
                 raise QueueFullError("The request queue is full.")
         req.arrival_model = self.model_now()
         self._next_rank += 1
+        if self.request_log is not None and not req.internal:
+            head = " ".join(req.prompt_words[:32]).encode()
+            req.log_entry = [req.rid, req.prompt_tokens, 0, hashlib.sha1(head).hexdigest()[:12]]
+            self.request_log.append(req.log_entry)
         rank.waiting.append(req)
 
     def on_admitted(self, req: Request) -> None:
@@ -388,14 +478,14 @@ class Engine:
                 if abort_all or (rid and req.rid.startswith(rid)):
                     self.finish_abort(req, "Abort request." if not abort_all else "Abort all requests.")
                     n += 1
-            rank.running = [r for r in rank.running if r.state == "running"]
+            rank.drop_aborted()
         return n
 
     def flush_cache(self) -> bool:
         if self.running or self.queued:
             return False
         for rank in self.ranks:
-            rank.cache.flush()
+            rank.cache.tree.flush()
         return True
 
     def hang(self) -> None:

@@ -152,8 +152,12 @@ async def _serve(state: ServerState, radix: bool, faults: Faults, argv: list[str
     metrics = Metrics()
     cfg = EngineConfig(profile=profile, plan=plan, strategy=state.strategy, overlap=state.overlap, radix=radix,
                        decode_log_interval=max(1, int(flags.get("decode_log_interval") or 40)),
-                       time_scale=state.time_scale, max_queued=flags.get("max_queued_requests"), layout=layout)
+                       time_scale=state.time_scale, max_queued=flags.get("max_queued_requests"), layout=layout,
+                       page_size=int(flags.get("page_size") or 1),
+                       track_interval=int(flags.get("mamba_track_interval") or 256))
     engine = Engine(cfg, faults=faults, metrics=metrics)
+    if os.environ.get("SGLANG_SIM_RECORD_REQUESTS") == "1":
+        engine.request_log = []
     recorder = Recorder(version=state.version, argv=argv, flags=flags, strategy=state.strategy,
                         effective=plan.effective_max_running * layout.num_dp_ranks, profile=profile.name,
                         gpu_indices=group)
@@ -166,7 +170,9 @@ async def _serve(state: ServerState, radix: bool, faults: Faults, argv: list[str
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None,
                            keepalive_timeout=keepalive_s)
     await runner.setup()
-    site = web.TCPSite(runner, flags["host"], flags["port"])
+    # uvicorn's listen backlog (2048; aiohttp's own is 128): a client opening a thousand connections at
+    # once must not overflow the accept queue (the kernel then drops or resets them).
+    site = web.TCPSite(runner, flags["host"], flags["port"], backlog=2048)
     uvicorn_log("INFO", f"Started server process [{os.getpid()}]")
     uvicorn_log("INFO", "Waiting for application startup.")
     uvicorn_log("INFO", "Application startup complete.")
@@ -220,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout.from_flags(flags)
         requested = flags.get(version.strategy_flag) or "auto"
         strategy, overlap = resolve_strategy(requested, hybrid=profile.hybrid,
-                                             overlap=not flags.get("disable_overlap_schedule"), legacy=version.legacy)
+                                             overlap=not flags.get("disable_overlap_schedule"), legacy=version.legacy,
+                                             page_size=flags.get("page_size"))
     except MainProcessError as e:
         return die_in_main(e)
     radix = not flags.get("disable_radix_cache")

@@ -50,13 +50,19 @@ def oom_line(*, gpu: int, tried_gb: float, total_gb: float, free_gb: float) -> s
             "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
 
 
-def resolve_strategy(requested: str, *, hybrid: bool, overlap: bool, legacy: bool) -> tuple[str, bool]:
+def resolve_strategy(requested: str, *, hybrid: bool, overlap: bool, legacy: bool,
+                     page_size: int | None = None) -> tuple[str, bool]:
     """(resolved strategy, overlap schedule on) as 0.5.23's ServerArgs resolves them."""
     if not hybrid:
         return requested if requested != "auto" else "no_buffer", overlap
     if requested == "auto":
-        # auto keeps extra_buffer only when the overlap scheduler runs; else it drops to no_buffer.
-        return ("extra_buffer", True) if overlap else ("no_buffer", False)
+        # auto keeps extra_buffer when the overlap scheduler runs or pages are wider than a token; else
+        # it drops to no_buffer (srt/arg_groups/overrides.py _mamba_radix_cache_resolution).
+        paged = page_size is not None and page_size > 1
+        requested, overlap = ("extra_buffer", overlap) if overlap or paged else ("no_buffer", False)
+    if requested == "no_buffer" and page_size not in (None, 1) and not legacy:
+        # srt/arg_groups/mamba_hook.py validate_mamba_no_buffer: only the sequence-end state exists
+        raise MainProcessError("AssertionError: no_buffer only supports page_size=1.")
     if requested == "no_buffer" and overlap and not legacy:
         # srt/arg_groups/mamba_hook.py validate_mamba_no_buffer, in the launching process
         raise MainProcessError(

@@ -35,8 +35,10 @@ class Metrics:
     """Counters and histograms fed by the engine; gauges are read from it when scraped."""
 
     def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
+        self.prompt_tokens = 0  # client prompts at their first prefill (prompt_tokens_total)
+        self.cached_tokens = 0  # ... the tokens they reused then
+        self.cached_finished = 0  # reused tokens of finished requests (cached_tokens_total, counted at finish)
+        self.cache_hit_rate = 0.0  # of the latest prefill batch (below)
         self.generation_tokens = 0
         self.requests = 0
         self.aborted = 0
@@ -46,23 +48,32 @@ class Metrics:
         self.queue = Histogram()
 
     def on_prefill(self, batch: list[Request], now: float) -> None:
+        """`sglang:cache_hit_rate` is the latest prefill batch's reused / (reused + computed) prompt
+        tokens, retracted requests left out (0 when only they ran), set each time a prefill batch is
+        reported (SchedulerMetricsReporter.report_prefill_stats); decode reports leave it alone."""
+        hit = computed = 0
+        clients = False
         for r in batch:
-            if r.internal or r.retractions:  # a re-admitted request was observed the first time
+            if r.internal:
                 continue
+            clients = True
+            if r.retractions:  # a re-admitted request was observed the first time
+                continue
+            hit += r.prefix_len
+            computed += r.prefill_end - r.prefix_len
             self.prompt_tokens += r.prompt_tokens
             self.cached_tokens += r.cached_tokens
             self.ttft.observe(now - r.arrival_model)
             self.queue.observe((r.admitted_model or now) - r.arrival_model)
+        if clients:
+            self.cache_hit_rate = hit / (hit + computed) if hit + computed else 0.0
 
     def on_finish(self, r: Request) -> None:
         if r.internal:
             return
         self.requests += 1
+        self.cached_finished += r.cached_tokens
         self.e2e.observe((r.finish_model or 0.0) - r.arrival_model)
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def render(self, engine: Engine, model_name: str) -> str:
         labels = f'engine_type="unified",model_name="{model_name}",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
@@ -90,6 +101,9 @@ class Metrics:
                plan.max_total_num_tokens)
         metric("context_len", "gauge", "The context length.", plan.context_len)
         metric("prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens)
+        if self.cached_finished:  # a labelled counter appears once it has counted something
+            metric("cached_tokens_total", "counter", "Number of cached prompt tokens by source (device/host/storage).",
+                   self.cached_finished, f'{labels},cache_source="device"')
         metric("generation_tokens_total", "counter", "Number of generation tokens processed.",
                self.generation_tokens)
         metric("num_requests_total", "counter", "Number of requests processed.", self.requests)

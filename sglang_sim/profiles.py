@@ -107,6 +107,21 @@ PROFILES: dict[str, Profile] = {
         decode_base_s=0.09, decode_per_req_s=0.0003, decode_knee=256, decode_per_req_after_knee_s=0.0008,
         prefill_base_s=0.05, prefill_per_token_s=0.00012, kv_heads=4, attn_weight_gb=6.2,
     ),
+    # A dense 8B model that fits one 80 GB A100 (Llama-3.1-8B-Instruct-like, bf16): 8.03B parameters =
+    # 14.96 GB of weights; 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 128 KiB of KV per token.
+    # SGLang's auto memory fraction on an 80 GB card is (81920 - 13440) / 81920 = 0.836 (memory_hook:
+    # 512 MB + 1.5 x the 8192-token chunk + 1/8 GB + 2 x the 256 decode graphs, over the 10 GB floor),
+    # leaving ~413K KV tokens. Step times are invented to a plausible shape, not measured: decode reads
+    # the weights once per step (~9 ms at the A100's ~1.7 TB/s) plus a per-request share; prefill
+    # ~12.5K tokens/s (16 GFLOP per token at ~65% of 312 TFLOP/s).
+    "llama-8b-a100": Profile(
+        name="llama-8b-a100", model_path="meta-llama/Llama-3.1-8B-Instruct", architecture="LlamaForCausalLM",
+        hybrid=False, gpu_total_gb=80.0, cuda_context_gb=0.5, weight_gb=14.96, held_gb=1.0, activation_gb=3.5,
+        mamba_conv_bytes=0, mamba_ssm_bytes=0, kv_bytes_per_token=128 * 1024, context_len=131072,
+        default_mem_fraction=0.836, chunked_prefill_size=8192,
+        decode_base_s=0.009, decode_per_req_s=0.00006, decode_knee=192, decode_per_req_after_knee_s=0.0002,
+        prefill_base_s=0.01, prefill_per_token_s=0.00008, kv_heads=8, attn_weight_gb=2.5,
+    ),
     # Test-only (supervisor's "canary does not gain"): tiny-hybrid's memory, but decode turns
     # compute-bound past 12 running requests, so the extra slots of no_buffer cost throughput.
     "knee-hybrid": Profile(

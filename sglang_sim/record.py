@@ -63,6 +63,8 @@ class Recorder:
             "requests_total": sum(self.requests_by_endpoint.values()),
             "requests_by_endpoint": dict(self.requests_by_endpoint),
             "generation_tokens_total": e.metrics.generation_tokens if e else 0,
+            "prompt_tokens_total": e.metrics.prompt_tokens if e else 0,
+            "cached_tokens_total": e.metrics.cached_tokens if e else 0,
             "aborted_total": e.metrics.aborted if e else 0,
             "abort_calls": self.abort_calls,
             "error_marker_hits": e.faults.error_marker_hits if e else 0,
@@ -77,6 +79,7 @@ class Recorder:
                            "longest_s": r.longest_s} for r in e.ranks] if e else [],
             "first_admit_wall": e.first_admit_wall if e else None,
             "last_finish_wall": e.last_finish_wall if e else None,
+            **({"requests": e.request_log} if e and e.request_log is not None else {}),
         }
 
     def on_tick(self) -> None:

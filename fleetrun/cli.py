@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rerun-changed", action="store_true",
                    help="custom_ids the run's store holds with another request run again with the new one (their "
                         "old results are replaced); without it such a file is refused (exit 2)")
+    r.add_argument("--no-plan", action="store_true",
+                   help="feed by expected work alone (longest first): no prefix plan (prompts that share a prefix "
+                        "are then spread over the servers)")
     serve.add_parser(sub, common_parent(run_help=f"the run whose fleet serves the batches (default: BATCHFLEET_RUN, "
                                                  f"else {serve.DEFAULT_RUN!r})", redis_help=REDIS_HELP))
     return p
@@ -308,7 +311,7 @@ def _enqueue_and_work(args: argparse.Namespace, config: Config, gpus: tuple[int,
     queues = queues_of(run, args.groups)
     done = enqueue(config, r, args.file, queues=queues, explicit=True, model=args.model or config.model_path,
                    rejects_path=args.rejects or config.state_dir / f"{run}.rejects.jsonl", progress=True,
-                   rerun_changed=args.rerun_changed)
+                   rerun_changed=args.rerun_changed, plan=not args.no_plan)
     store: Store = done.store
     try:
         s = done.summary

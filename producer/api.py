@@ -101,8 +101,10 @@ def repair_if_lost(config: Config, r: redis.Redis, loc: Located) -> None:
 
 def enqueue(config: Config, r: redis.Redis, path: str | Path, *, queues: tuple[str, ...] = (),
             explicit: bool = True, defaults: dict[str, Any] | None = None, model: str = "default",
-            rejects_path: Path | None = None, progress: bool = False, rerun_changed: bool = False) -> Enqueued:
-    """`producer enqueue`: the file into the run's store, the run marker, one feed pass. Raises
+            rejects_path: Path | None = None, progress: bool = False, rerun_changed: bool = False,
+            plan: bool = True) -> Enqueued:
+    """`producer enqueue`: the file into the run's store, the run marker, one feed pass. `plan`: the run is
+    fed by the prefix plan (producer/plan.py), or by expected work alone (`--no-plan`). Raises
     EmptyInput (before anything is made) when the file holds no prompt, ChangedRequests (nothing of the
     file stored, nothing fed) when it asks other requests for custom_ids the store knows and not
     `rerun_changed`."""
@@ -120,6 +122,10 @@ def enqueue(config: Config, r: redis.Redis, path: str | Path, *, queues: tuple[s
             if not queues and not (loc.marker and loc.marker.queues) and not read_fleet_view(r, keys).capacity:
                 queues = (DEFAULT_QUEUE,)  # nothing given and no worker yet: where `rq worker gpu0` looks
             marker = ensure_marker(r, config, loc.store, queues=queues)
+
+            if plan != loc.store.plan.on:
+                with loc.store.write():
+                    loc.store.plan.turn(plan)
 
             def take_failed(failed: list[tuple[int, str]]) -> None:
                 _take_failed(r, keys, [(seq, job_id_for(config.run, cid)) for seq, cid in failed])

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--rerun-changed", action="store_true",
                    help="custom_ids the store holds with another request run again with the new one (their old "
                         "results are replaced); without it such a file is refused (exit 2)")
+    e.add_argument("--no-plan", action="store_true",
+                   help="feed by expected work alone (longest first): no prefix plan (prompts that share a prefix "
+                        "are then spread over the servers)")
 
     for name, text in (("head", "the head process: keep each queue's window topped up from the store, collect "
                                 "results, repair a Redis that lost the run's data (until SIGINT/SIGTERM)"),
@@ -274,7 +277,7 @@ def _enqueue(args: argparse.Namespace, config: Config, r: redis.Redis, explicit:
     try:
         done = api.enqueue(config, r, args.file, queues=queues, explicit=explicit, defaults=defaults,
                            model=args.model or config.model_path or "default", rejects_path=args.rejects,
-                           progress=not args.no_progress, rerun_changed=args.rerun_changed)
+                           progress=not args.no_progress, rerun_changed=args.rerun_changed, plan=not args.no_plan)
     except EmptyInput as exc:
         print(f"producer: warning: {exc}", file=sys.stderr)
         return 0

@@ -48,6 +48,7 @@ from batchfleet.redact import private_file
 from .fingerprint import FileFingerprint, canonical_request
 from .inputs import MAX_LINE_BYTES, Lines
 from .parse import NotJson, Reject, parse_line
+from .plan import prefix_key
 from .progress import Reporter
 from .store import UNBOUNDED_COST, Known, Span, State, Store, StoreError
 
@@ -125,6 +126,12 @@ def read_requests(source: Lines, defaults: dict[str, Any], model: str, *,
         yield lineno, raw, length, got
 
 
+def plan_key(canon: bytes, body: dict[str, Any]) -> bytes:
+    """The prompt's plan key (`plan.prefix_key`), its chain seeded by the model the request names."""
+    model = body.get("model")
+    return prefix_key(canon, model if isinstance(model, str) else "")
+
+
 def cost_of(body: dict[str, Any]) -> int:
     """The expected work of a prompt: its max_tokens (or max_completion_tokens); UNBOUNDED_COST without."""
     n = body.get("max_tokens") or body.get("max_completion_tokens")
@@ -156,7 +163,7 @@ class _Rejects:
 
 
 class _Row(NamedTuple):
-    """A valid line as `_Writer.flush` sorts it out: the store's columns first (`row[:7]` is what
+    """A valid line as `_Writer.flush` sorts it out: the store's columns first (`row[:8]` is what
     `Store.insert_prompts` takes), then the line itself for a reject."""
 
     cid: str
@@ -166,6 +173,7 @@ class _Row(NamedTuple):
     line: int
     cost: int
     fp: bytes
+    pk: bytes | None  # its plan key (producer/plan.py); None when the run is fed without a plan
     raw: bytes
     length: int
 
@@ -209,14 +217,15 @@ class _Stage:
             self.db.execute("PRAGMA journal_mode=OFF")
             self.db.execute("PRAGMA synchronous=OFF")
             self.db.execute("CREATE TABLE new (n INTEGER PRIMARY KEY, cid TEXT NOT NULL UNIQUE, ep INTEGER NOT NULL, "
-                            "body BLOB NOT NULL, line INTEGER NOT NULL, cost INTEGER NOT NULL, fp BLOB NOT NULL)")
+                            "body BLOB NOT NULL, line INTEGER NOT NULL, cost INTEGER NOT NULL, fp BLOB NOT NULL, "
+                            "pk BLOB)")
         finally:
             path.unlink()
 
     def add(self, rows: Sequence[_Row]) -> None:
         self.db.execute("BEGIN")
-        self.db.executemany("INSERT INTO new (cid, ep, body, line, cost, fp) VALUES (?, ?, ?, ?, ?, ?)",
-                            [(r.cid, r.ep, r.body, r.line, r.cost, r.fp) for r in rows])
+        self.db.executemany("INSERT INTO new (cid, ep, body, line, cost, fp, pk) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            [(r.cid, r.ep, r.body, r.line, r.cost, r.fp, r.pk) for r in rows])
         self.db.execute("COMMIT")
 
     def first(self, cids: Sequence[str]) -> dict[str, tuple[int, bytes]]:
@@ -228,9 +237,9 @@ class _Stage:
             out.update((c, (line, fp)) for c, line, fp in self.db.execute(q, part))
         return out
 
-    def pages(self, size: int) -> Iterator[list[tuple[str, int, bytes, int, int, bytes]]]:
+    def pages(self, size: int) -> Iterator[list[tuple[str, int, bytes, int, int, bytes, bytes | None]]]:
         after = 0
-        while rows := self.db.execute("SELECT n, cid, ep, body, line, cost, fp FROM new WHERE n > ? ORDER BY n "
+        while rows := self.db.execute("SELECT n, cid, ep, body, line, cost, fp, pk FROM new WHERE n > ? ORDER BY n "
                                       "LIMIT ?", (after, size)).fetchall():
             after = rows[-1][0]
             yield [row[1:] for row in rows]
@@ -273,10 +282,12 @@ class _Writer:
         self.first_lines = _FirstLines(self.start_seq)
         self.file_fp = FileFingerprint()
         self.batch: list[_Row] = []
+        self.planned = store.plan.on  # each prompt's plan key, unless the run is fed without a plan
 
     def add(self, cid: str, url: str, body: dict[str, Any], lineno: int, raw: bytes, length: int) -> None:
         canon, fp = canonical_request(url, body)  # stored so: one encoding serves the store and the fingerprint
-        self.batch.append(_row((cid, _EP[url], canon, self.file_id, lineno, cost_of(body), fp, raw, length)))
+        pk = plan_key(canon, body) if self.planned else None
+        self.batch.append(_row((cid, _EP[url], canon, self.file_id, lineno, cost_of(body), fp, pk, raw, length)))
         if len(self.batch) >= BATCH:
             self.flush()
 
@@ -338,7 +349,7 @@ class _Writer:
                 s.changed += 1
                 s.first_change = s.first_change or (row.line, row.cid)
                 changed_here[k.seq] = row.fp
-                replace.append((k.seq, row.ep, row.body, self.file_id, row.line, row.cost, row.fp))
+                replace.append((k.seq, row.ep, row.body, self.file_id, row.line, row.cost, row.fp, row.pk))
                 continue
             prev = here.get(row.cid) or staged.get(row.cid) or ((k.line, k.fp) if k is not None else None)
             if prev is not None:
@@ -352,7 +363,7 @@ class _Writer:
         """Store the new prompts of `out`. Those the store took meanwhile are found again: written by an
         earlier line of this file (a repeat) or by another enqueue (present)."""
         s = self.summary
-        n = self.store.insert_prompts([r[:7] for r in out.fresh])
+        n = self.store.insert_prompts([r[:8] for r in out.fresh])
         s.new += n
         if n == len(out.fresh):
             return
@@ -396,8 +407,8 @@ class _Writer:
         if self.stage is not None:
             for page in self.stage.pages(BATCH):
                 with self.store.write():
-                    n = self.store.insert_prompts([(cid, ep, body, self.file_id, line, cost, fp)
-                                                   for cid, ep, body, line, cost, fp in page])
+                    n = self.store.insert_prompts([(cid, ep, body, self.file_id, line, cost, fp, pk)
+                                                   for cid, ep, body, line, cost, fp, pk in page])
                 s.new += n
                 s.present += len(page) - n
         with self.store.write():
@@ -530,9 +541,10 @@ def enqueue_whole(store: Store, path: Path, *, name: str, prefix: str, url: str,
 def _store_whole(store: Store, out: Whole, path: Path, *, prefix: str, url: str, model: str, max_requests: int,
                  max_problems: int) -> None:
     file_fp = FileFingerprint()
-    rows: list[tuple[str, int, bytes, int, int, int, bytes]] = []
+    rows: list[tuple[str, int, bytes, int, int, int, bytes, bytes | None]] = []
     assert out.input_id is not None
     ep, input_id, problems, append = _EP[url], out.input_id, out.problems, rows.append
+    planned = store.plan.on
 
     def problem(line: int, fault: Fault, message: str) -> None:
         if len(problems) < max_problems:
@@ -558,7 +570,8 @@ def _store_whole(store: Store, out: Whole, path: Path, *, prefix: str, url: str,
             if len(problems) >= max_problems:
                 return  # the input is refused; enough said
             canon, fp = canonical_request(u, body)
-            append((prefix + cid, ep, canon, input_id, lineno, cost_of(body), fp))
+            pk = plan_key(canon, body) if planned else None
+            append((prefix + cid, ep, canon, input_id, lineno, cost_of(body), fp, pk))
             if len(rows) >= BATCH:
                 _insert_whole(store, rows, prefix, file_fp, problem)
         _insert_whole(store, rows, prefix, file_fp, problem)
@@ -566,7 +579,7 @@ def _store_whole(store: Store, out: Whole, path: Path, *, prefix: str, url: str,
             store.record_input(input_id, lines.path, file_fp, time.time())
 
 
-def _insert_whole(store: Store, rows: list[tuple[str, int, bytes, int, int, int, bytes]], prefix: str,
+def _insert_whole(store: Store, rows: list[tuple[str, int, bytes, int, int, int, bytes, bytes | None]], prefix: str,
                   file_fp: FileFingerprint, problem: Callable[[int, Fault, str], None]) -> None:
     """Store these rows and add them to the input's fingerprint; a custom_id stored already (by an
     earlier line of this input) is a problem."""
@@ -577,7 +590,7 @@ def _insert_whole(store: Store, rows: list[tuple[str, int, bytes, int, int, int,
     n = store.insert_prompts(rows)  # also once the input is refused (rolled back at the end): repeats show
     if n < len(rows):
         known = store.known([r[0] for r in rows])
-        for cid, _, _, _, line, _, _ in rows:
+        for cid, _, _, _, line, _, _, _ in rows:
             first = known[cid].line
             if first != line:
                 problem(line, Fault.DUPLICATE, f"custom_id {cid[cut:]!r} is already on line {first}")

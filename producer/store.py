@@ -42,6 +42,7 @@ Writers (enqueue, feed, collect, recover) hold SQLite's single writer lock for a
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import IntEnum
@@ -61,6 +62,7 @@ UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so 
 _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 FEED_ORDER = "feed_order"  # meta key: "input" feeds older inputs first (see `order_feed_by_input`)
 PLAN, PLAN_STALE, PLAN_CURSOR = "plan", "plan_stale", "plan_cursor"  # meta keys of the `Plan`
+SETTLED_S = 2.0  # no prompt became WAITING for this long: a stale plan is rebuilt
 _WAITING_BY_INPUT = "CREATE INDEX IF NOT EXISTS prompts_waiting_input ON prompts(file, cost DESC, seq) WHERE state = 0"
 _FAILED_RESULTS = "CREATE INDEX IF NOT EXISTS results_failed ON results(seq) WHERE ok = 0"  # `counts_in` reads it
 
@@ -343,8 +345,6 @@ class Store(StoreReads):
     def insert_prompts(self, rows: Sequence[tuple[str, int, bytes, int, int, int, bytes, bytes | None]]) -> int:
         """(cid, ep, body, file, line, cost, fp, pk), each a new WAITING prompt unless its cid is known
         (then nothing changes); `pk` its plan key (`plan.prefix_key`). Returns how many were inserted."""
-        if rows and len(rows[0]) == 7:  # MERGE: until enqueue and serve give a plan key
-            rows = [(*r, None) for r in rows]  # type: ignore[misc]
         n = self.db.executemany(_INSERT, rows).rowcount
         self._tally("waiting", n)
         return n
@@ -366,8 +366,6 @@ class Store(StoreReads):
         if not rows:
             return []
         seqs = [row[0] for row in rows]
-        if len(rows[0]) == 7:  # MERGE: until enqueue gives a plan key
-            rows = [(*r, None) for r in rows]  # type: ignore[misc]
         self.db.executemany("UPDATE prompts SET ep = ?, body = ?, file = ?, line = ?, cost = ?, fp = ?, pk = ? "
                             "WHERE seq = ?", [(*row[1:], row[0]) for row in rows])
         self.plan.stale()  # waiting ones keep their place in the plan under a new key
@@ -524,8 +522,9 @@ class Plan:
         self.stale()
 
     def stale(self) -> None:
+        """Prompts became WAITING that the plan does not order (now)."""
         if self.store.schema == SCHEMA_VERSION:
-            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, '1')", (PLAN_STALE,))
+            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (PLAN_STALE, repr(time.time())))
 
     def rebuild(self) -> int:
         """Order the waiting prompts anew: longest expected work first, then by plan key (prompts that
@@ -539,15 +538,29 @@ class Plan:
         return n
 
     def next(self, limit: int) -> list[PlanRow]:
-        """Up to `limit` WAITING prompts after the cursor, in plan order (rebuilt first when stale)."""
-        if self.store.get_meta(PLAN_STALE) != "0":
+        """Up to `limit` WAITING prompts after the cursor, in plan order. A stale plan is rebuilt first once
+        no prompt became WAITING for SETTLED_S, or when it has nothing left: a run of 10M prompts is fed
+        while an enqueue still stores it, by a plan of what was there (rebuilt when that runs dry, not at
+        every feed pass over all that waits), and planned whole once the enqueue is done."""
+        since = float(self.store.get_meta(PLAN_STALE) or 0)  # when prompts last became WAITING unplanned
+        stale = since > 0
+        if stale and time.time() - since > SETTLED_S:
             self.rebuild()
-        cursor = int(self.store.get_meta(PLAN_CURSOR) or 0)
+            stale = False
+        rows = self._after(int(self.store.get_meta(PLAN_CURSOR) or 0), limit)
+        if not rows and stale:
+            self.rebuild()
+            rows = self._after(0, limit)
+        return rows
+
+    def _after(self, cursor: int, limit: int) -> list[PlanRow]:
         rows = self.db.execute(
             "SELECT p.seq, p.cid, p.ep, p.body, p.fp, plan.pos FROM plan JOIN prompts p ON p.seq = plan.seq "
             "WHERE plan.pos > ? AND p.state = 0 ORDER BY plan.pos LIMIT ?", (cursor, limit))
         return [PlanRow(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "", pos)
                 for seq, cid, ep, body, fp, pos in rows]
+
+
 
     def advance(self, pos: int) -> None:
         """The prompts up to `pos` are fed: the next read starts after it."""

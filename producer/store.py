@@ -392,7 +392,8 @@ class Store(StoreReads):
         self.db.execute(_FAILED_RESULTS)
         self.db.execute("DROP INDEX IF EXISTS prompts_waiting")
         self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, 'input')", (FEED_ORDER,))
-        self.plan.stale()
+        if self.plan.on:
+            self.plan.rebuild()
 
     def next_to_feed(self, limit: int) -> list[PlanRow]:
         """Up to `limit` WAITING prompts in the order this store feeds them: the plan's (producer/plan.py),
@@ -519,7 +520,8 @@ class Plan:
     def turn(self, on: bool) -> None:
         """Feed by the plan or not, from now on (inside write())."""
         self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (PLAN, "on" if on else "off"))
-        self.stale()
+        if on:
+            self.rebuild()
 
     def stale(self) -> None:
         """Prompts became WAITING that the plan does not order (now)."""

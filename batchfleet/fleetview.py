@@ -38,7 +38,19 @@ from typing import Any
 
 import redis
 
-from .keys import RQ_QUEUE_PREFIX, RQ_QUEUES, STATUS_TTL_S, STORE_PENDING, STORE_WAITING, Keys, valid_queue_name
+from .keys import (
+    CACHED_TOKENS,
+    PLAN_BYTES,
+    PLAN_SHARED,
+    PROMPT_TOKENS,
+    RQ_QUEUE_PREFIX,
+    RQ_QUEUES,
+    STATUS_TTL_S,
+    STORE_PENDING,
+    STORE_WAITING,
+    Keys,
+    valid_queue_name,
+)
 from .marker import FINISHED
 from .records import MAX_RUNNING_RANGE, RecordError, WorkerState, WorkerStatus
 
@@ -138,6 +150,31 @@ class FleetView:
         """The store's pending count as the head last published it; None before any head did."""
         v = self.stats.get(STORE_PENDING)
         return None if v is None else max(0, int(v))
+
+    def _ratio(self, part: str, whole: str, queue: str | None) -> float | None:
+        suffix = f":{queue}" if queue else ""
+        total = self.stats.get(whole + suffix, 0)
+        return self.stats.get(part + suffix, 0) / total if total > 0 else None
+
+    def hit_rate(self, queue: str | None = None) -> float | None:
+        """Of the prompt tokens the servers (of `queue`) prefilled, the share their radix caches gave."""
+        return self._ratio(CACHED_TOKENS, PROMPT_TOKENS, queue)
+
+    def predicted_hit(self, queue: str) -> float | None:
+        """The prefix plan's prediction for `queue` (bytes shared with the prompt before, of all)."""
+        return self._ratio(PLAN_SHARED, PLAN_BYTES, queue)
+
+    @property
+    def predicted_hit_fleet(self) -> float | None:
+        """The plan's prediction over every queue it fed."""
+        shared = sum(v for k, v in self.stats.items() if k.startswith(PLAN_SHARED + ":"))
+        size = sum(v for k, v in self.stats.items() if k.startswith(PLAN_BYTES + ":"))
+        return shared / size if size > 0 else None
+
+    @property
+    def saved_tokens(self) -> int:
+        """Prompt tokens the servers did not prefill: their radix caches had them."""
+        return int(self.stats.get(CACHED_TOKENS, 0))
 
     @property
     def mean_completion_tokens(self) -> float | None:

@@ -42,7 +42,10 @@ Counters in `bf:<run>:stats` (`<name>:<queue>` counts per origin queue where not
 `enqueued`(:q), `succeeded`(:q), `failed`(:q; includes quarantined prompts), `completion_tokens`,
 `handed_back` (given back untouched: shutdown, restart, a server death it was not inside),
 `recovered` (a lapsed lease's job requeued), `refused`(:q; a job no worker may run: RQ's failed
-registry, no result), `server_deaths`, `struck` (strikes given), `quarantined`.
+registry, no result), `server_deaths`, `struck` (strikes given), `quarantined`; `prompt_tokens`(:q) and
+`cached_tokens`(:q), what the servers prefilled and took from their radix caches (their own counters, as
+each worker scrapes them); `plan_shared:q`, `plan_bytes:q`, the prefix plan's prediction: bytes of the
+prompts fed to q shared with the prompt fed there before each, of all their bytes (producer/plan.py).
 
 A job waiting to run is in one of three lists: its queue `rq:queue:<q>`, or `bf:<run>:suspects` /
 `bf:<run>:isolate` once a server died with it inside (status `queued` in each case).
@@ -106,6 +109,9 @@ def valid_queue_name(name: object) -> bool:
 # fed yet, and prompts in the store without a result.
 STORE_WAITING = "store_waiting"
 STORE_PENDING = "store_pending"
+# Counters of `stats` (the table above): the servers' prefill, and the plan's prediction of it.
+PROMPT_TOKENS, CACHED_TOKENS = "prompt_tokens", "cached_tokens"
+PLAN_SHARED, PLAN_BYTES = "plan_shared", "plan_bytes"
 
 # TTLs and caps, in seconds or entries.
 FAILURE_TTL_S = 7 * 24 * 3600  # failed jobs stay requeueable for a week (RQ's default is a year)

@@ -182,6 +182,8 @@ class ServerMetrics:
     gen_throughput: float | None = None
     retracted: float | None = None  # sglang:num_retracted_requests_total
     generation_tokens_total: float | None = None
+    prompt_tokens_total: float | None = None  # sglang:prompt_tokens_total: prompt tokens of finished requests
+    cached_tokens_total: float | None = None  # sglang:cached_tokens_total: of them, taken from the radix cache
     ts: float | None = None  # when the worker scraped these (its clock): rates pair a counter with this
 
 

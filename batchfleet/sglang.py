@@ -207,14 +207,19 @@ def capacity_from_log(text: str) -> int | None:
     return sum(per_rank.values()) if per_rank else None
 
 
-_METRIC = re.compile(r"^(sglang:[a-z_]+)(?:\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
+_METRIC = re.compile(r"^(sglang:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
 _SUM = {
     "sglang:num_running_reqs": "running",
     "sglang:num_queue_reqs": "queued",
     "sglang:gen_throughput": "gen_throughput",
     "sglang:num_retracted_requests_total": "retracted",
     "sglang:generation_tokens_total": "generation_tokens_total",
+    "sglang:prompt_tokens_total": "prompt_tokens_total",
 }
+# Prompt tokens taken from the cache, per finished request, by where they came from (0.5.23:
+# `cache_source` device, host, storage, and their sum "total"); older releases have no such label.
+_CACHED = "sglang:cached_tokens_total"
+_CACHE_SOURCE = re.compile(r'cache_source="([a-z]+)"')
 _MAX = {
     "sglang:full_token_usage": "full_kv_usage",
     "sglang:mamba_usage": "mamba_usage",
@@ -226,11 +231,19 @@ _MEAN = {"sglang:cache_hit_rate": "cache_hit_rate"}
 def parse_metrics(text: str) -> ServerMetrics:
     """Prometheus text from `/metrics` -> the gauges batchfleet watches, combined over ranks."""
     seen: dict[str, list[float]] = defaultdict(list)
+    cached: dict[str, list[float]] = defaultdict(list)  # cache_source -> values over ranks
     for line in text.splitlines():
         m = _METRIC.match(line)
         if m:
-            seen[m.group(1)].append(float(m.group(2)))
+            name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+            if name == _CACHED:
+                source = _CACHE_SOURCE.search(labels)
+                cached[source.group(1) if source else "total"].append(value)
+            else:
+                seen[name].append(value)
     out: dict[str, float] = {}
+    if cached:
+        out["cached_tokens_total"] = sum(cached.get("total") or cached.get("device") or [])
     for table, combine in ((_SUM, sum), (_MAX, max), (_MEAN, lambda v: sum(v) / len(v))):
         for metric, name in table.items():
             if seen.get(metric):

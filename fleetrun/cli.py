@@ -59,6 +59,7 @@ from producer.api import (
     ExportError,
     Lines,
     Store,
+    cache_text,
     cannot_serve,
     check_target,
     collect_once,
@@ -211,7 +212,9 @@ class Screen:
         if self.rate is not None:
             self.rate.update(p["completion_tokens"])
         rate = f"  {self.rate.text()}" if self.rate is not None else ""
-        return f"ETA {p['eta']}{rate}  workers {p['workers']['live']}"
+        hit = p.get("cache_hit_rate")
+        cache = f"  cache {hit:.0%}" if hit is not None else ""
+        return f"ETA {p['eta']}{rate}  workers {p['workers']['live']}{cache}"
 
     def _plain(self, p: dict[str, Any], info: str) -> None:
         self.last, self.last_done = time.monotonic(), p["done"]
@@ -325,6 +328,8 @@ def _enqueue_and_work(args: argparse.Namespace, config: Config, gpus: tuple[int,
             ex = export(r, store, keys, args.output, errors=args.errors)
         except ExportError as exc:
             raise UsageError(str(exc)) from None
+        if (cache := cache_text(gather_progress(r, keys, store))) is not None:
+            screen.say(cache)
         screen.say(f"wrote {ex.written:,} lines to {ex.path} ({ex.succeeded:,} succeeded, {ex.failed:,} failed)"
                    + (f"; failures in {args.errors}" if args.errors else "")
                    + (f"; {screen.rate.summary()}" if screen.rate else ""))

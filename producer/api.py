@@ -13,7 +13,8 @@ and the scripts use of the producer, and all they may use (tests/test_layout.py 
     results               collect_once (the workers' results into the store); export, write_export,
                           write_empty, check_target, ExportError (the OpenAI batch output file)
     taking work back      cancel_prompts, cancelled_line (a span's prompts cancelled, their lines)
-    watching              gather_progress (the figures of a progress line), cannot_serve (what to
+    watching              gather_progress (the figures of a progress line), cache_text (the radix
+                          caches' line), cannot_serve (what to
                           say of a worker whose server cannot serve)
 
 Each name is documented where it is defined; this module adds `enqueue` and `repair_if_lost`.
@@ -41,7 +42,7 @@ from .feed import FeedSummary, feed_pass
 from .inputs import Lines, MissingExtra, input_problem
 from .locate import Access, Located, NoStore, ensure_marker, locate
 from .recover import _take_failed, recover
-from .status import cannot_serve, gather_progress
+from .status import cache_text, cannot_serve, gather_progress
 from .store import Span, Store, StoreError
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "Store",
     "StoreError",
     "Whole",
+    "cache_text",
     "cancel_prompts",
     "cancelled_line",
     "cannot_serve",

@@ -97,6 +97,7 @@ class Feeder:
         self.store = store
         self.keys = Keys(config.run)
         self.dealer = Dealer()  # the plan's units and which queue each goes to (affinity while it lives)
+        self.predicted: dict[str, tuple[int, int]] = {}
 
     def targets(self, queues: list[str], capacity: dict[str, int], meter: DrainMeter | None) -> dict[str, int]:
         return {q: window_target(self.config, capacity.get(q, 0), meter.rate(q) if meter else 0.0) for q in queues}
@@ -135,9 +136,13 @@ class Feeder:
 
     def _deal(self, rows: list[PlanRow], left: dict[str, int]) -> dict[str, list[list[tuple[PlanRow, str]]]]:
         """queue -> its share of `rows` (a prefix of them in all), as (row, unit) lists: the plan's units
-        (`plan.Dealer`), or without a plan one row at a time, in turn."""
+        (`plan.Dealer`), or without a plan one row at a time, in turn. Sets `self.predicted`: per queue,
+        (bytes its new prompts share with the one before them there, their bytes)."""
+        self.predicted = {}
         if rows[0].pos:  # in plan order
             dealt = self.dealer.deal(self.dealer.units(rows), left)
+            self.predicted = {q: (sum(sum(u.shared) for u in units), sum(u.size for u in units))
+                              for q, units in dealt.items() if units}
             return {q: [[(row, u.grp) for row in u.rows] for u in units] for q, units in dealt.items() if units}
         out: dict[str, list[list[tuple[PlanRow, str]]]] = {q: [] for q in left}
         room, order, i = dict(left), list(left), 0
@@ -164,10 +169,12 @@ class Feeder:
                     jobs.append(Keys.job(job_id_for(run, row.cid)))
                     argv += (job_data(prompt_wire(row.cid, row.seq, row.url, orjson.Fragment(row.body), fp=row.fp,
                                                   run=run)), grp)
+        predicted = [self.predicted.get(q, (0, 0)) for q in dealt]
         added, present, *per_queue = FEED.call(
             self.r, keys={"done": k.done, "stats": k.stats, "queue_index": RQ_QUEUES,
                           "queues": [Keys.queue(q) for q in dealt], "jobs": jobs},
-            args={"names": list(dealt), "counts": counts, "jobs_argv": argv})
+            args={"names": list(dealt), "counts": counts, "shared": [p[0] for p in predicted],
+                  "sizes": [p[1] for p in predicted], "jobs_argv": argv})
         return int(added), int(present), [int(n) for n in per_queue]
 
 

@@ -124,7 +124,10 @@ class Unit:
     """Prompts fed together to one queue; `grp` names it in their jobs (its first prompt's seq)."""
 
     rows: list[PlanRow] = field(default_factory=list)
-    shared: list[int] = field(default_factory=list)  # bytes each row shares with the row before it
+    # bytes each row shares with the row before it (the first: with the last row its queue was fed);
+    # once dealt, what is shorter than SHARED_MIN counts 0
+    shared: list[int] = field(default_factory=list)
+    size: int = 0  # bytes of its rows' conversations
 
     @property
     def grp(self) -> str:
@@ -162,6 +165,7 @@ class Dealer:
                 out.append(unit)
             unit.rows.append(row)
             unit.shared.append(shared)
+            unit.size += len(text)
             prev = text
         return out
 
@@ -200,8 +204,8 @@ class Dealer:
     def _account(self, q: str, unit: Unit, first: bytes) -> None:
         """The prediction: each row's shared bytes with the one fed to this queue before it."""
         last = self.last.setdefault(q, _QueueLast())
-        lead = common_prefix(last.conversation, first) if last.conversation is not None else 0
-        shares = [lead, *unit.shared[1:]]
-        self.shared[q] = self.shared.get(q, 0) + sum(shares)
-        self.total[q] = self.total.get(q, 0) + sum(len(conversation(r.body)) for r in unit.rows)
+        unit.shared[0] = common_prefix(last.conversation, first) if last.conversation is not None else 0
+        unit.shared = [n if n >= SHARED_MIN else 0 for n in unit.shared]  # less is not worth a cache's while
+        self.shared[q] = self.shared.get(q, 0) + sum(unit.shared)
+        self.total[q] = self.total.get(q, 0) + unit.size
         last.conversation = conversation(unit.rows[-1].body)

@@ -24,7 +24,7 @@ from .recover import audit
 from .runs import input_dict, input_text
 from .store import Store
 
-__all__ = ["cannot_serve", "format_status", "gather_progress", "gather_status"]
+__all__ = ["cache_text", "cannot_serve", "format_status", "gather_progress", "gather_status"]
 
 _CANNOT_SERVE = {WorkerState.FAILED: "GPU FAILED (takes no work)", WorkerState.DOWN: "server DOWN"}
 
@@ -113,11 +113,25 @@ def _workers(view: FleetView) -> dict[str, Any]:
 def _rate(view: FleetView, pending: int) -> dict[str, Any]:
     """The fleet's figures (`batchfleet.fleetview`), the ETA of the store's `pending` prompts."""
     mean_ct, rate, eta = view.mean_completion_tokens, view.prompts_per_s, view.eta(pending)
+    hit, predicted = view.hit_rate(), view.predicted_hit_fleet
     return {"fleet_tokens_per_s": round(view.tokens_per_s, 1),
             "mean_completion_tokens": None if mean_ct is None else round(mean_ct, 1),
             "prompts_per_s": None if rate is None else round(rate, 2),
             "eta_s": None if eta.seconds is None else round(eta.seconds), "eta": eta.text,
-            "eta_lower_bound": eta.lower_bound}
+            "eta_lower_bound": eta.lower_bound,
+            "cache_hit_rate": None if hit is None else round(hit, 4),
+            "prefill_tokens_saved": view.saved_tokens,
+            "predicted_hit_rate": None if predicted is None else round(predicted, 4)}
+
+
+def cache_text(st: dict[str, Any]) -> str | None:
+    """One line on the servers' radix caches: what they gave of the prompts, and what the plan predicted."""
+    hit, predicted = st.get("cache_hit_rate"), st.get("predicted_hit_rate")
+    if hit is None and predicted is None:
+        return None
+    measured = "nothing prefilled yet" if hit is None else (
+        f"{hit:.0%} of prompt tokens from the servers' caches ({st['prefill_tokens_saved']:,} not prefilled)")
+    return f"prefix cache: {measured}" + ("" if predicted is None else f"; the plan predicted {predicted:.0%}")
 
 
 def gather_progress(r: redis.Redis, keys: Keys, store: Store) -> dict[str, Any]:
@@ -183,6 +197,8 @@ def format_status(st: dict[str, Any], *, as_json: bool) -> str:
             per_prompt = f", {st['prompts_per_s']:,} prompts/s" if st["prompts_per_s"] is not None else ""
             speed = f"fleet {st['fleet_tokens_per_s']:,} tok/s{per_prompt}; ETA {st['eta']}"
         lines.append(f"workers {w['live']} live of {w['known']}; {speed}")
+        if (cache := cache_text(st)) is not None:
+            lines.append(f"  {cache}")
         if w["silent"]:
             lines.append(f"  {w['silent']} worker(s) silent: their status record was not rewritten for "
                          f"{SILENT_AFTER_S:g} s (gone or stuck)")

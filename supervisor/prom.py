@@ -37,6 +37,12 @@ class FleetMetrics:
         self.generation = g("gpu_control_generation", "Control generation the server runs", ("worker", "gpu"))
         self.cls = g("gpu_class", "1 for the server's class in the last window", ("worker", "gpu", "cls"))
         self.phase = g("autopilot_phase", "1 for the autopilot's phase", ("phase",))
+        self.hit = g("prefix_cache_hit_ratio", "Of the prompt tokens the servers prefilled, the share their radix "
+                     "caches gave (since the run began)", ("queue",))
+        self.predicted = g("prefix_plan_predicted_hit_ratio", "The prefix plan's prediction of that share, per queue",
+                           ("queue",))
+        self.saved = g("prefill_tokens_saved", "Prompt tokens the servers did not prefill: their radix caches had "
+                       "them (since the run began)")
         self.events = Counter(PREFIX + "events", "Supervisor and restart events seen, by kind", ("kind",),
                               registry=self.registry)
         self._last_event_ts = 0.0
@@ -65,6 +71,12 @@ class FleetMetrics:
                     self.cls.labels(v.worker, str(v.gpu), str(c)).set(1 if v.cls == c else 0)
         for p in Phase:
             self.phase.labels(str(p)).set(1 if state.phase == p else 0)
+        self.saved.set(snap.saved_tokens)
+        for q in {w.queue for w in snap.workers} | set(snap.backlog):
+            if (hit := snap.hit_rate(q)) is not None:
+                self.hit.labels(q).set(hit)
+            if (predicted := snap.predicted_hit(q)) is not None:
+                self.predicted.labels(q).set(predicted)
         for e in snap.events:
             if e.ts > self._last_event_ts:
                 self.events.labels(e.kind).inc()

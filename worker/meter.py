@@ -1,12 +1,13 @@
 """The worker's tokens/s: the slope of its server's `generation_tokens_total` counter over ~10 s
-(smooth, known before the first prompt finishes); completions over time for servers without it."""
+(smooth, known before the first prompt finishes); completions over time for servers without it. And
+what its server prefilled and took from its radix cache (`PrefillCounter`), for the run's figures."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 
-__all__ = ["ThroughputMeter"]
+__all__ = ["PrefillCounter", "ThroughputMeter"]
 
 
 class ThroughputMeter:
@@ -40,3 +41,29 @@ class ThroughputMeter:
             return 0.0
         span = max(now - self._completions[0][0], min(self.completions_window_s, 1.0))
         return sum(t for _, t in self._completions) / span
+
+
+class PrefillCounter:
+    """Prompt tokens the server prefilled and, of them, those its radix cache gave (its counters
+    `sglang:prompt_tokens_total`, `sglang:cached_tokens_total`), as the increase since the last scrape;
+    a counter that went back is a new server process, counting from 0. The increases wait in `pending`
+    until they are added to the run's stats (`taken`), so an outage loses none."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None
+        self.pending = [0, 0]  # prompt tokens, cached tokens
+
+    def note(self, prompt_total: float | None, cached_total: float | None) -> None:
+        if prompt_total is None:
+            return
+        now = (prompt_total, cached_total or 0.0)
+        last = self._last
+        for i in (0, 1):
+            before = last[i] if last is not None and now[i] >= last[i] else 0.0
+            self.pending[i] += int(now[i] - before)
+        self._last = now
+
+    def taken(self, prompt: int, cached: int) -> None:
+        """These were added to the run's stats."""
+        self.pending[0] -= prompt
+        self.pending[1] -= cached

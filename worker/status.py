@@ -19,7 +19,7 @@ from batchfleet.keys import Keys
 from batchfleet.records import ServerMetrics, WorkerStatus
 
 from .gpu import nvidia_smi
-from .meter import ThroughputMeter
+from .meter import PrefillCounter, ThroughputMeter
 from .redislink import LINK, every
 
 __all__ = ["StatusPublisher", "StatusReporter", "gpu_model", "probe_gpu_model"]
@@ -33,11 +33,17 @@ class StatusPublisher:
         self.k = keyspace
         self.snapshot = snapshot
 
-    async def publish(self, status: WorkerStatus | None = None) -> WorkerStatus:
+    async def publish(self, status: WorkerStatus | None = None, *, prefill: tuple[int, int] = (0, 0)) -> WorkerStatus:
+        """The status record; with it, `prefill` (prompt tokens the server prefilled, of them cached since
+        the last publish) added to the run's stats (`prompt_tokens`, `cached_tokens`, and per queue)."""
         status = status or self.snapshot()
         async with self.r.pipeline(transaction=False) as pipe:
             pipe.set(self.k.status(status.worker), status.to_json(), ex=keys.STATUS_TTL_S)
             pipe.sadd(self.k.workers, status.worker)
+            for name, n in zip((keys.PROMPT_TOKENS, keys.CACHED_TOKENS), prefill, strict=True):
+                if n > 0:
+                    pipe.hincrby(self.k.stats, name, n)
+                    pipe.hincrby(self.k.stats, f"{name}:{status.queue}", n)
             await pipe.execute()
         return status
 
@@ -65,6 +71,7 @@ class StatusReporter:
         self.server_running = server_running
         self.rq_heartbeat = rq_heartbeat
         self.metrics = ServerMetrics()
+        self.prefill = PrefillCounter()
 
     async def publish_now(self) -> None:
         """Publish the status record now; a Redis outage must not stop the server's life cycle."""
@@ -83,7 +90,10 @@ class StatusReporter:
         if client is not None and self.server_running():
             self.metrics = await scrape_metrics(client)
             self.meter.note_counter(self.metrics.generation_tokens_total)
-        status = await self.publisher.publish()
+            self.prefill.note(self.metrics.prompt_tokens_total, self.metrics.cached_tokens_total)
+        prompt, cached = self.prefill.pending
+        status = await self.publisher.publish(prefill=(prompt, cached))
+        self.prefill.taken(prompt, cached)
         if self.on_published is not None:
             self.on_published(status)
         await asyncio.to_thread(self.rq_heartbeat)

@@ -5,7 +5,9 @@
 -- `rq requeue` the `origin`, `Job.get_status` the `status`; the rest have defaults), and its id is
 -- queued. Jobs come grouped by queue: `counts[q]` jobs (and data) for `queues[q]`, named `names[q]`. A job's
 -- `grp` (its plan unit, producer/plan.py; '' without a plan) is kept in its hash: a worker stealing from
--- another GPU's queue takes whole units (worker/lua/claim.lua).
+-- another GPU's queue takes whole units (worker/lua/claim.lua). Per queue, the plan's prediction of what
+-- its new prompts share with the ones before them there (`shared` of `sizes` bytes) adds to the run's
+-- stats, `plan_shared:<q>` and `plan_bytes:<q>`, with the jobs.
 -- -> {new jobs, jobs already present, new jobs per queue...}
 local added, present, k, a, per_queue = 0, 0, jobs_first, jobs_argv_first, {}
 for q = 0, queues_last - queues_first do
@@ -35,6 +37,10 @@ for q = 0, queues_last - queues_first do
     redis.call('HINCRBY', stats, 'enqueued:' .. name, #ids)
     added = added + #ids
     per_queue[q + 1] = #ids
+  end
+  if tonumber(ARGV[sizes_first + q]) > 0 then
+    redis.call('HINCRBY', stats, 'plan_shared:' .. name, ARGV[shared_first + q])
+    redis.call('HINCRBY', stats, 'plan_bytes:' .. name, ARGV[sizes_first + q])
   end
 end
 if added > 0 then redis.call('HINCRBY', stats, 'enqueued', added) end

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from batchfleet.keys import PROMPT_TOKENS
 from batchfleet.records import CapCause, ServerFacts, ServerSpec, Strategy, WorkerState, WorkerStatus
 from batchfleet.sglang import flag_value
 
@@ -134,7 +135,7 @@ class ServerView:
     queued: float | None
     kv: float | None
     mamba: float | None
-    cache_hit_rate: float | None
+    cache_hit_rate: float | None  # its prompt tokens given by the radix cache (the run's, else the gauge)
     tokens_per_s: float  # over the window: the server's counter, else its gauge, else the worker's measure
     retracted: float  # retractions during the window
     evidence: str = ""  # mamba-bound: "static" (start-up facts) or "gauges"
@@ -151,6 +152,7 @@ class ServerView:
     spec: ServerSpec | None = None  # what it runs, read back from its command line (generation: the worker's)
     gpu_name: str = ""
     gpu_memory_mib: int | None = None
+    predicted_hit: float | None = None  # the prefix plan's prediction for its queue (`FleetView.predicted_hit`)
 
     @property
     def serving(self) -> bool:
@@ -181,6 +183,8 @@ class WindowReport:
     eta_s: float | None
     hosts: dict[str, list[str]] = field(default_factory=dict)  # host -> why it stands out (as a host)
     eta_lower: bool = False  # eta_s is only a lower bound (no prompt had succeeded): see FleetView.eta
+    prompt_tokens: float | None = None  # per finished request, as the servers count them (the run's)
+    completion_tokens: float | None = None  # ... and their completion tokens
 
     @property
     def serving(self) -> list[ServerView]:
@@ -210,6 +214,10 @@ class WindowReport:
 
     def by_queue(self, queue: str) -> ServerView | None:
         return next((s for s in self.servers if s.queue == queue), None)
+
+
+def _or(first: float | None, then: float | None) -> float | None:
+    return first if first is not None else then
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -436,7 +444,8 @@ def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = 
             in_flight=statistics.fmean(s.in_flight for s in serving),
             running=_mean([s.metrics.running for s in serving]), queued=_mean([s.metrics.queued for s in serving]),
             kv=_mean([s.metrics.full_kv_usage for s in serving]), mamba=_mean([s.metrics.mamba_usage for s in serving]),
-            cache_hit_rate=w.metrics.cache_hit_rate,
+            cache_hit_rate=_or(last.hit_rate(w.queue), w.metrics.cache_hit_rate),
+            predicted_hit=last.predicted_hit(w.queue),
             tokens_per_s=rate if rate is not None else statistics.fmean(s.tokens_per_s for s in serving),
             retracted=(retracted[-1] - retracted[0]) if retracted else 0.0,
             evidence=evidence if cls == MAMBA_BOUND else "", filling=evidence == "filling", facts=w.facts,
@@ -446,5 +455,8 @@ def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = 
     gpu_flags, host_flags = _flag(views, th)
     views = [replace(v, outliers=gpu_flags.get(v.worker, [])) for v in views]
     eta = last.eta()
+    succeeded = last.stats.get("succeeded", 0)
+    prompt = last.stats.get(PROMPT_TOKENS, 0) / succeeded if succeeded > 0 and last.stats.get(PROMPT_TOKENS) else None
     return WindowReport(start=snapshots[0].ts, end=last.ts, servers=views, backlog=backlog, eta_s=eta.seconds,
-                        hosts=host_flags, eta_lower=eta.lower_bound)
+                        hosts=host_flags, eta_lower=eta.lower_bound, prompt_tokens=prompt,
+                        completion_tokens=last.mean_completion_tokens)

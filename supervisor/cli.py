@@ -86,6 +86,9 @@ def _autopilot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--forbid", action="append", default=[], choices=STRATEGIES, metavar="STRATEGY",
                    help=f"never move to this strategy (repeatable; one of {', '.join(STRATEGIES)})")
     p.add_argument("--keep-prefix-cache", action="store_true", help="the workload needs the radix cache: no no_radix")
+    p.add_argument("--prefill-weight", type=at_least(0), default=0.05, metavar="W",
+                   help="what a prefilled token costs beside a generated one, when the prefix plan predicts reuse "
+                        "(a strategy that loses it prefills more)")
     p.add_argument("--mem-fraction-static", type=fraction(zero_ok=True), default=0.90, metavar="F",
                    help="with the first rung up (0: leave it)")
     p.add_argument("--max-running-requests", type=at_least(0, int), default=128, metavar="N",
@@ -227,7 +230,7 @@ def _autopilot(args: argparse.Namespace, config: Config, r: redis.Redis, k: Keys
 
     forbid = set(args.forbid) | ({"no_radix"} if args.keep_prefix_cache else set())
     ladder = LadderConfig(forbid=frozenset(forbid), mem_fraction_static=args.mem_fraction_static or None,
-                          max_running_requests=args.max_running_requests or None)
+                          max_running_requests=args.max_running_requests or None, prefill_weight=args.prefill_weight)
     settings = Settings(windows=args.windows, static_windows=args.static_windows, dry_run=args.dry_run,
                         restart_cost_s=args.restart_cost, margin=args.margin, verify_windows=args.verify_windows,
                         rollout_batch=args.rollout_batch, phase_timeout_s=args.phase_timeout,

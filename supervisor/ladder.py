@@ -18,6 +18,22 @@ SGLang's sizing (reference §1):
 Without those figures (a worker that does not publish them) the prediction is the slot ratio alone.
 The worker adds `--disable-overlap-schedule` where the server's version needs it. Radix off is only
 proposed when the measured cache hit rate says prefix caching buys little.
+
+**When the work reuses prefixes** (`Reuse`: the prefix plan's predicted share of prompt tokens the
+servers' radix caches give, with the prompt and completion tokens per request) capacity is not all a
+rung changes. In 0.5.23 `extra_buffer` (and `extra_buffer_lazy`, which reuses the same positions with
+4 slots a request, not 5) keeps a mamba state where a request's prefix is shared, so later ones reuse
+it; `no_buffer` keeps one only at a request's end, so prompts that share a prefix and differ after it
+reuse nothing; radix off reuses nothing. Each rung is weighed by what a request costs its server:
+
+    cost(rung) = prompt tokens x (1 - its reuse) x prefill_weight + completion tokens
+    predicted ratio = capacity ratio x cost(now) / cost(rung)
+
+`prefill_weight` is what one prefilled token costs beside one generated token of a request
+(`--prefill-weight`, 0.05 by default: a prefill of ~10K tokens/s against a decode step of ~2 ms per
+running request). Every allowed rung is weighed, `extra_buffer_lazy` among them (radix off stays the
+step after `no_buffer`), the best kept; none better than now: no change, and the decision says what
+the plan predicted.
 """
 
 from __future__ import annotations
@@ -27,13 +43,16 @@ from dataclasses import dataclass, field
 
 from batchfleet.records import STRATEGIES, ServerFacts, ServerSpec, Strategy, WorkerState, WorkerStatus
 
-__all__ = ["LADDER", "SLOTS_PER_REQUEST", "LadderConfig", "Prediction", "Proposal", "current_spec", "next_rung",
-           "predict_capacity", "spec_key"]
+__all__ = ["LADDER", "REUSES_SHARED_PREFIX", "SLOTS_PER_REQUEST", "LadderConfig", "Prediction", "Proposal", "Reuse",
+           "current_spec", "next_rung", "predict_capacity", "spec_key"]
 
 SLOTS_PER_REQUEST = {Strategy.DEFAULT: 5, Strategy.EXTRA_BUFFER: 5, Strategy.EXTRA_BUFFER_LAZY: 4,
                      Strategy.NO_BUFFER: 3, Strategy.NO_RADIX: 1}
 # The rungs the autopilot climbs, cheapest change first.
 LADDER = (Strategy.DEFAULT, Strategy.NO_BUFFER, Strategy.NO_RADIX)
+# Which strategies reuse a prefix shared by prompts that differ after it (0.5.23; see the module doc).
+REUSES_SHARED_PREFIX = {Strategy.DEFAULT: True, Strategy.EXTRA_BUFFER: True, Strategy.EXTRA_BUFFER_LAZY: True,
+                        Strategy.NO_BUFFER: False, Strategy.NO_RADIX: False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +61,7 @@ class LadderConfig:
     mem_fraction_static: float | None = 0.90  # raised together with the first rung up; None: leave it
     max_running_requests: int | None = 128  # a ceiling that should not bind; None: leave it
     max_cache_hit_rate: float = 0.10  # radix off only when prefix caching saves less than this share
+    prefill_weight: float = 0.05  # a prefilled token's cost beside a generated one (`Reuse`, the module doc)
 
     def __post_init__(self) -> None:
         unknown = set(self.forbid) - set(STRATEGIES)
@@ -97,6 +117,21 @@ def predict_capacity(facts: ServerFacts | None, current: ServerSpec, target: Ser
 
 
 @dataclass(frozen=True, slots=True)
+class Reuse:
+    """What the work ahead reuses: the share of prompt tokens the radix cache gives (`hit`, the prefix
+    plan's prediction, or what was measured), and a request's prompt and completion tokens."""
+
+    hit: float
+    prompt_tokens: float
+    completion_tokens: float
+    source: str = "the plan"  # where `hit` comes from, for people
+
+    def cost(self, strategy: Strategy, weight: float) -> float:
+        hit = self.hit if REUSES_SHARED_PREFIX.get(strategy, True) else 0.0
+        return self.prompt_tokens * (1.0 - hit) * weight + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
 class Proposal:
     """The next rung (generation 0: the caller numbers it), or None with the reasons why not."""
 
@@ -111,16 +146,48 @@ def spec_key(spec: ServerSpec) -> str:
 
 
 def next_rung(current: ServerSpec, cfg: LadderConfig, *, failed: Mapping[str, str] | Iterable[str] = (),
-              cache_hit_rate: float | None = None, facts: ServerFacts | None = None) -> Proposal:
+              cache_hit_rate: float | None = None, facts: ServerFacts | None = None,
+              reuse: Reuse | None = None) -> Proposal:
     """The first rung above `current` that is allowed, not `failed` (keys in back-off, with why), and
-    whose conditions hold; the predicted ratio comes from `facts` (one stalled server's) when given."""
+    whose conditions hold; the predicted ratio comes from `facts` (one stalled server's) when given.
+    With `reuse` (the work reuses prefixes), every such rung is weighed by what it keeps of the reuse
+    too (module doc), `extra_buffer_lazy` among them, and the best one better than now is proposed."""
     failed = dict(failed) if isinstance(failed, Mapping) else {k: "was tried in this run and did not gain"
                                                                for k in failed}
+    why_not: list[str] = []
+    ladder = LADDER if reuse is None else (Strategy.DEFAULT, Strategy.EXTRA_BUFFER_LAZY, *LADDER[1:])
+    rungs = [(target, predict_capacity(facts, current, target))
+             for target in _rungs(current, cfg, ladder, failed, cache_hit_rate, why_not)]
+    if not rungs:
+        return Proposal(None, 1.0, why_not or [f"{current.strategy} is the top rung"])
+    if reuse is None:
+        target, pred = rungs[0]
+        return Proposal(target, pred.ratio, [f"predicted capacity x{pred.ratio:.2f}: {pred.how}"])
+    now = reuse.cost(current.strategy, cfg.prefill_weight)
+    # radix off stays the last step, taken from no_buffer only, as on the ladder without a prediction
+    steps = [(t, p) for t, p in rungs if t.strategy is not Strategy.NO_RADIX or current.strategy is Strategy.NO_BUFFER]
+    weighed = [(pred.ratio * now / reuse.cost(target.strategy, cfg.prefill_weight), target, pred)
+               for target, pred in steps or rungs[:1]]
+    ratio, target, pred = max(weighed, key=lambda w: w[0])
+    said = (f"{reuse.source} predicts {reuse.hit:.0%} of prompt tokens from the radix cache "
+            f"({reuse.prompt_tokens:,.0f} prompt, {reuse.completion_tokens:,.0f} completion tokens a request, a "
+            f"prefilled token weighed {cfg.prefill_weight:g} of a generated one)")
+    weights = ", ".join(f"{t.strategy} x{r:.2f}" for r, t, _ in weighed)
+    if ratio <= 1.0:
+        return Proposal(None, 1.0, [f"{said}: no rung gains ({weights}): keeping {current.strategy}"])
+    keeps = "keeps" if REUSES_SHARED_PREFIX.get(target.strategy, True) else "loses"
+    return Proposal(target, ratio, [f"predicted x{ratio:.2f}: capacity x{pred.ratio:.2f} ({pred.how}); {said}; "
+                                    f"{target.strategy} {keeps} that reuse ({weights})"])
+
+
+def _rungs(current: ServerSpec, cfg: LadderConfig, ladder: Iterable[Strategy], failed: Mapping[str, str],
+           cache_hit_rate: float | None, why_not: list[str]) -> list[ServerSpec]:
+    """The rungs of `ladder` above `current` (fewer slots a request) that are allowed and not in
+    back-off, in ladder order; why each other one is not, into `why_not`."""
     here = SLOTS_PER_REQUEST.get(current.strategy, 5)
-    why_not = []
-    for strategy in LADDER:
-        slots = SLOTS_PER_REQUEST[strategy]
-        if slots >= here:
+    out = []
+    for strategy in ladder:
+        if SLOTS_PER_REQUEST[strategy] >= here:
             continue
         if strategy in cfg.forbid:
             why_not.append(f"{strategy} is forbidden for this workload")
@@ -143,9 +210,8 @@ def next_rung(current: ServerSpec, cfg: LadderConfig, *, failed: Mapping[str, st
         if spec_key(target) in failed:
             why_not.append(f"{target.describe()} {failed[spec_key(target)]}")
             continue
-        pred = predict_capacity(facts, current, target)
-        return Proposal(target, pred.ratio, [f"predicted capacity x{pred.ratio:.2f}: {pred.how}"])
-    return Proposal(None, 1.0, why_not or [f"{current.strategy} is the top rung"])
+        out.append(target)
+    return out
 
 
 def current_spec(fleet: ServerSpec | None, workers: Iterable[WorkerStatus]) -> ServerSpec:

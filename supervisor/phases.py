@@ -16,6 +16,7 @@ window and adds actions to the step's `Outbox`; `autopilot.Autopilot` dispatches
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 from typing import Any
@@ -185,9 +186,12 @@ class RollingOut(PhaseStep):
 
     def to_verifying(self, target: ServerSpec, now: float, why: str, *, mixed: bool) -> None:
         st = self.st
-        if mixed:  # servers of other shapes keep theirs: the change stays as per-queue overrides
-            self.out.emit(EventKind.ROLLED_OUT, f"{why}; servers of other shapes keep their spec (generation "
-                          f"{target.generation} is per queue)", target=st.target, rolled=st.rolled, shape=st.shape)
+        if mixed:  # servers of other shapes (or work) keep theirs: the change stays as per-queue overrides
+            others = "servers of other shapes" if not st.keep else "the other servers (other shapes, or work the " \
+                     "plan predicts another rung for)"
+            self.out.emit(EventKind.ROLLED_OUT, f"{why}; {others} keep their spec (generation "
+                          f"{target.generation} is per queue)", target=st.target, rolled=st.rolled, shape=st.shape,
+                          keep=st.keep)
         else:
             self.out.add(SetFleet(target))
             self.out.emit(EventKind.ROLLED_OUT, f"{why}; it is now the fleet's spec (generation "
@@ -225,10 +229,16 @@ class Verifying(PhaseStep):
             keys = {f for f in (memory_field(v) for v in serving if v.generation == target.generation) if f}
             if keys:
                 self.out.add(Remember({f: entry for f in sorted(keys)}))
+        hits = [v.cache_hit_rate for v in serving if v.cache_hit_rate is not None]
+        predicted = [v.predicted_hit for v in serving if v.predicted_hit is not None]
+        hit = f"; hit rate {statistics.fmean(hits):.0%} measured" if hits else ""
+        hit += f", {statistics.fmean(predicted):.0%} predicted by the plan" if hits and predicted else ""
         self.out.emit(EventKind.VERIFIED, f"fleet {st.before_tps:,.0f} -> {m.rate:,.0f} tok/s"
                       + (f" (x{ratio:.2f} per server)" if ratio else "")
                       + f" over {m.seconds:.0f} s of steady windows, slots per GPU {slots} (predicted "
-                      f"x{st.predicted:.2f})", before_tokens_per_s=round(st.before_tps, 1),
+                      f"x{st.predicted:.2f}){hit}", before_tokens_per_s=round(st.before_tps, 1),
+                      measured_hit=round(statistics.fmean(hits), 4) if hits else None,
+                      predicted_hit=round(statistics.fmean(predicted), 4) if predicted else None,
                       after_tokens_per_s=round(m.rate, 1), before_server_tokens_per_s=round(st.before_server_tps, 1),
                       after_server_tokens_per_s=round(m.peers, 1), ratio=round(ratio, 3) if ratio else None,
                       measured_s=round(m.seconds, 1), slots=slots, target=st.target, decide_s=st.decide_s,

@@ -59,6 +59,9 @@ class PilotState:
     shape: str = ""  # the canary's shape: the change is measured, rolled out and verified among that shape
     recalled: bool = False  # the fleet's memory is not to be consulted (again) in this run (see `recall`)
     consulted: list[str] = field(default_factory=list)  # queues whose servers the memory was consulted for
+    # queues the change in progress is not for: the prefix plan predicts other work there, for which
+    # another rung (or none) is best; they keep their spec, and the change stays per queue
+    keep: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -87,11 +90,12 @@ class PilotState:
         return sum(m[0] for m in self.measured)
 
     def of_shape(self, v: ServerView) -> bool:
-        """`v` is of the shape the change in progress is about (any, for a state stored without a shape)."""
-        return not self.shape or v.shape == self.shape
+        """`v` is of the shape the change in progress is about (any, for a state stored without a shape),
+        and not one it keeps off the change (`keep`)."""
+        return (not self.shape or v.shape == self.shape) and v.queue not in self.keep
 
     def back_to_observing(self) -> None:
         """The change is over (verified, rolled back or given up): watch again from a clean stall count."""
         self.phase, self.stall, self.canary, self.rolled = Phase.OBSERVING, 0, "", []
         self.measured, self.served_since, self.confounded, self.canary_restart = [], 0.0, "", {}
-        self.shape = ""
+        self.shape, self.keep = "", []

@@ -485,7 +485,9 @@ def test_a_stored_state_reads_back_and_is_written_again_in_the_same_shape():
     st = PilotState.from_json(STORED_STATE)
     assert (st.phase, st.canary, st.shape, st.restart_costs) == ("canary", "gpu0", "tp1", [6.5])
     assert st.target_spec == replace(NO_BUFFER, generation=1) and st.tried["no_buffer|0.9|128"]["tries"] == 1
-    assert st.to_json().decode() == STORED_STATE
+    # written back as it was, with the fields added since (their defaults) at the end
+    assert st.to_json().decode() == STORED_STATE[:-1] + ',"keep":[]}'
+
     pilot = Autopilot(Settings(), LadderConfig(), st)  # a restarted supervisor carries on with the canary
     assert pilot.restart_cost_s() == pytest.approx(6.5) and pilot.state.measured == [[2.0, 1065.0, 560.0]]
 
@@ -787,3 +789,65 @@ def test_a_server_that_serves_later_or_whose_worker_started_on_the_memory_is_han
                         control(overrides={}), memory())
     assert [(a.queue, a.spec.strategy, a.spec.generation) for a in acts if isinstance(a, SetOverride)] == \
         [("gpu1", "no_buffer", 1)]
+
+
+# --- the prefix plan's prediction in the decision ------------------------------------------------------
+def plan_window(predicted: dict[int, float], k: int = 0, *, prompt: float = 3000.0, completion: float = 64.0,
+                n: int = 4) -> list[FleetSnapshot]:
+    """Mamba-bound seed servers gpu0..n-1, the run's stats saying what the plan predicted for each queue
+    (`plan_shared:q` of `plan_bytes:q`) and a request's prompt and completion tokens."""
+    stats = {"succeeded": 1000, "completion_tokens": int(1000 * completion), "prompt_tokens": int(1000 * prompt)}
+    for g, hit in predicted.items():
+        stats[f"plan_bytes:gpu{g}"] = 1_000_000
+        stats[f"plan_shared:gpu{g}"] = int(1_000_000 * hit)
+    ts = [k * 4.0 + i for i in range(5)]
+    return [FleetSnapshot(ts=t, workers=[ws(g, t=t, facts=SEED) for g in range(n)], backlog={"gpu0": 10_000},
+                          stats=stats) for t in ts]
+
+
+def test_a_plan_that_predicts_prefix_reuse_keeps_a_strategy_that_reuses_it():
+    """Long shared prompts, short answers: no_buffer's capacity (x1.95) does not pay for prefilling
+    the 75% of prompt tokens the cache would have given; extra_buffer_lazy (4 slots a request, the same
+    reuse) does. The decision says what the plan predicted."""
+    from supervisor.decision import Workload
+    from supervisor.ladder import Reuse
+
+    heavy = next_rung(ServerSpec(), LadderConfig(), facts=SEED, cache_hit_rate=0.7,
+                      reuse=Reuse(hit=0.75, prompt_tokens=3000, completion_tokens=64))
+    assert heavy.target is not None and heavy.target.strategy == "extra_buffer_lazy"
+    assert "the plan predicts 75% of prompt tokens" in heavy.reasons[0] and "no_buffer x0.9" in heavy.reasons[0]
+    none = next_rung(ServerSpec(), LadderConfig(), facts=SEED, cache_hit_rate=0.0,
+                     reuse=Reuse(hit=0.0, prompt_tokens=3000, completion_tokens=64))
+    assert none.target is not None and none.target.strategy == "no_buffer"  # nothing to lose: capacity
+    assert Workload(predicted_hit=0.5, prompt_tokens=None, completion_tokens=64).reuse is None  # tokens unknown
+
+    pilot = Autopilot(Settings(windows=1, restart_cost_s=1), LadderConfig(forbid=frozenset({"no_radix"})))
+    acts = drive(pilot, [plan_window({g: 0.75 for g in range(4)})])
+    (override,) = [a for a in acts if isinstance(a, SetOverride)]
+    assert override.spec.strategy == "extra_buffer_lazy"
+    (decision,) = emitted(acts, "decision")
+    assert "the plan predicted 75%" in decision.message and decision.data["predicted_hit"] == pytest.approx(0.75)
+
+
+def test_no_rung_is_tried_when_the_plan_predicts_every_one_would_lose_its_reuse():
+    pilot = Autopilot(Settings(windows=1, restart_cost_s=1),
+                      LadderConfig(forbid=frozenset({"no_radix", "extra_buffer_lazy"})))
+    acts = drive(pilot, [plan_window({g: 0.8 for g in range(4)})])
+    assert not [a for a in acts if isinstance(a, SetOverride)]
+    (decision,) = emitted(acts, "decision")
+    assert "no change to try" in decision.message and "keeping default" in decision.message
+    assert "the plan predicts 80%" in decision.message
+
+
+def test_servers_whose_queues_the_plan_predicts_other_work_for_keep_their_spec():
+    """gpu0, gpu1 get prompts sharing long prefixes (75% predicted), gpu2, gpu3 none: no_buffer is the
+    change for gpu2 and gpu3 only; gpu0 and gpu1 keep extra_buffer, and the rollout ends per queue."""
+    pilot = Autopilot(Settings(windows=1, restart_cost_s=1, verify_windows=1, rollout_batch=4),
+                      LadderConfig(forbid=frozenset({"no_radix", "extra_buffer_lazy"})))
+    predicted = {0: 0.75, 1: 0.75, 2: 0.0, 3: 0.0}
+    acts = drive(pilot, [plan_window(predicted)])
+    (override,) = [a for a in acts if isinstance(a, SetOverride)]
+    assert override.queue == "gpu2" and override.spec.strategy == "no_buffer"
+    (decision,) = emitted(acts, "decision")
+    assert "gpu0, gpu1 keep their spec" in decision.message and decision.data["keep"] == ["gpu0", "gpu1"]
+    assert pilot.state.keep == ["gpu0", "gpu1"]

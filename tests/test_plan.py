@@ -189,3 +189,13 @@ def test_a_queue_whose_tail_is_no_unit_is_stolen_from_the_front_as_before(r: red
             await client.aclose()
 
     assert asyncio.run(claim(2)) == ["p0", "p1"]
+
+
+def test_of_the_prompts_one_claim_brings_each_units_first_goes_out_first() -> None:
+    from worker.dispatcher import leaders_first
+    from worker.ledger import Claim
+
+    claims = [Claim(f"j{i}", "gpu0", b"", grp=g) for i, g in enumerate([b"1", b"1", b"1", b"4", b"4", b"", b"7"])]
+    assert [c.jid for c in leaders_first(claims)] == ["j0", "j3", "j5", "j6", "j1", "j4", "j2"]
+    plain = [Claim(f"p{i}", "gpu0", b"") for i in range(3)]
+    assert leaders_first(plain) == plain  # no plan: the claim's own order

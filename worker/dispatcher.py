@@ -11,6 +11,9 @@ The claim loop (`Dispatcher.run`) is the whole of this module; each concern is a
 - `outcomes.Outcomes`: a result, a hand back or a refusal, written through the `ledger.Ledger`;
 - `takeback.Takeback`: prompts taken back at once: a server death (strikes), a cancel, a drain.
 
+Of the prompts one claim brings, each plan unit's first goes out before the units' seconds, and so on
+(`leaders_first`): the later ones then find the shared prefix in the server's radix cache.
+
 A claimed job is NORMAL (runs beside anything), a SUSPECT (one strike) or SOLO (two strikes: the
 loop stops, the other prompts finish, it runs alone, then the loop resumes). Suspects run in groups,
 one group per worker at a time, beside normal work: a worker takes a group (up to SUSPECT_GROUP_MAX,
@@ -50,7 +53,7 @@ from .server_side import Server
 from .slots import InFlightLimit
 from .takeback import Takeback
 
-__all__ = ["CLAIM_GATHER_S", "SUSPECT_GROUP_MAX", "Dispatcher"]
+__all__ = ["CLAIM_GATHER_S", "SUSPECT_GROUP_MAX", "Dispatcher", "leaders_first"]
 
 log = logging.getLogger("batchfleet.worker.dispatcher")
 
@@ -127,7 +130,7 @@ class Dispatcher:
                 continue
             if len(claims) < took:
                 slots.release(took - len(claims))
-            for claim in claims:
+            for claim in leaders_first(claims):
                 self._start(claim)
             if claims:
                 if freed_at is not None and dry == 0 and len(claims) == took:
@@ -208,6 +211,23 @@ class Dispatcher:
         if backlog <= self.config.max_pending_results:
             self._collector_said = False
             log.info("results stream down to %d entries: taking work again", backlog)
+
+
+def leaders_first(claims: list[Claim]) -> list[Claim]:
+    """The claims in the order their requests go out: of each plan unit the first, then each unit's
+    second, and so on. A server matches a request against its radix cache when it schedules its prefill,
+    and requests prefilled in one batch do not see each other's prefix: sent one after the other, a
+    unit's prompts would share the prefill batch of their first and all compute the shared prefix."""
+    if len(claims) < 2 or not any(c.grp for c in claims):
+        return claims
+    seen: dict[bytes, int] = {}
+    rank = []
+    for i, c in enumerate(claims):
+        k = seen.get(c.grp, 0) if c.grp else 0
+        if c.grp:
+            seen[c.grp] = k + 1
+        rank.append((k, i))
+    return [claims[i] for _, i in sorted(rank)]
 
 
 def _checked(mode: Mode) -> bool:

@@ -112,6 +112,7 @@ class Claim:
     data: bytes
     kind: ClaimKind = ClaimKind.NORMAL
     claimed_at: float = 0.0  # time.monotonic()
+    grp: bytes = b""  # its unit of the prefix plan (producer/plan.py), b"" for none
 
 
 @dataclass(slots=True)
@@ -181,9 +182,9 @@ class Ledger:
                   "suspects_dry": group_dry, "take_solo": int(take_solo), "queue_names": queues})
         now = time.monotonic()
         claims = []
-        for i in range(0, len(raw), 4):
+        for i in range(0, len(raw), 5):
             c = Claim(jid=raw[i].decode(), origin=raw[i + 1].decode(), data=raw[i + 2],
-                      kind=_KINDS[raw[i + 3]], claimed_at=now)
+                      kind=_KINDS[raw[i + 3]], claimed_at=now, grp=raw[i + 4])
             self.held[c.jid] = c
             claims.append(c)
         return claims

@@ -3,14 +3,15 @@
 -- the worker's own; from the others, whole plan units from their tails, see steal_units); if the queues
 -- left slots empty, the group grows to up to `suspects_dry`. Each claimed job is marked started (RQ's
 -- fields), entered in its origin's started registry and leased, on Redis's clock.
--- -> flat (jid, origin, data, kind) per claimed job, kind 'normal', 'suspect' or 'solo'.
+-- -> flat (jid, origin, data, kind, grp) per claimed job, kind 'normal', 'suspect' or 'solo', grp its plan unit
+-- ('' for none).
 local s, us = clock()
 local now, now_iso = s + us / 1e6, iso(s, us)
 local want, ttl, sttl = tonumber(n), tonumber(lease_ttl), tonumber(started_ttl)
 local out, taken = {}, 0
 local function take(jid, fallback, kind)
   local jkey = job_key(jid)
-  local f = redis.call('HMGET', jkey, 'data', 'origin', 'status')
+  local f = redis.call('HMGET', jkey, 'data', 'origin', 'status', 'grp')
   -- deleted while queued (`rq empty`), or a stray copy of an id that runs or ran: skip it
   if not f[1] or f[3] ~= 'queued' then return false end
   local origin = f[2] or fallback
@@ -20,6 +21,7 @@ local function take(jid, fallback, kind)
   redis.call('ZADD', started_key(origin), now + sttl, member)
   redis.call('ZADD', leases, now + ttl, member)
   out[#out + 1] = jid; out[#out + 1] = origin; out[#out + 1] = f[1]; out[#out + 1] = kind
+  out[#out + 1] = f[4] or ''
   return true
 end
 local function pop_one(list, kind)

@@ -107,6 +107,11 @@ class Config:
     window_s: float = 60.0
     window_default: int = 1000
     window_max: int = 20_000
+    # A shared fleet (`batchfleet serve`'s tenants, producer/share.py): a queue holds share_window_s of
+    # its throughput (a tenant's new batch waits behind no more of another's work), and a tenant's usage
+    # halves every share_half_life_s (how long one that was idle may have the fleet before sharing).
+    share_window_s: float = 4.0
+    share_half_life_s: float = 300.0
 
     # A finished run's keys (every prompt has its result in the store) expire after this (see producer.ends).
     finished_ttl_s: int = FINISHED_TTL_S
@@ -131,6 +136,8 @@ class Config:
             raise ConfigError("finished_ttl_s must be at least 1 (seconds)")
         if self.window_s <= 0 or self.window_default < 1 or self.window_max < 1:
             raise ConfigError("window_s, window_default and window_max must be positive")
+        if self.share_window_s <= 0 or self.share_half_life_s <= 0:
+            raise ConfigError("share_window_s and share_half_life_s must be positive")
         try:
             re.compile(self.queue_pattern)
         except re.error as exc:

@@ -267,15 +267,28 @@ class Keys:
         return self.prefix + "signals"
 
     @property
+    def tenants(self) -> str:
+        """Tenant -> `TenantFigures`: what the head of a shared fleet (`batchfleet serve`) knows of each
+        tenant's share; read by serve's /v1/fleet, screen and metrics."""
+        return self.prefix + "tenants"
+
+    @property
+    def wake(self) -> str:
+        """A list the head waits on between its passes: an element pushed (serve stored a batch) starts
+        the next pass at once."""
+        return self.prefix + "wake"
+
+    @property
     def pattern(self) -> str:
         """SCAN MATCH pattern of every batchfleet key of the run (run names hold no glob characters)."""
         return self.prefix + "*"
 
     def run_keys(self) -> list[str]:
-        """The run's fixed batchfleet keys (status:<worker> records expire by themselves)."""
+        """The run's fixed batchfleet keys (status:<worker> records expire by themselves; not `drop`: its own
+        TTL, DROP_TTL_S, which enqueueing again must not lift)."""
         return [self.leases, self.done, self.results, self.meta, self.stats, self.strikes, self.suspects,
                 self.isolate, self.workers, self.events, self.control, self.retry, self.history, self.autopilot,
-                self.cancel, self.refeed]  # not `drop`: its own TTL (DROP_TTL_S), which enqueueing again must not lift
+                self.cancel, self.refeed, self.tenants, self.wake]
 
     CONTROL_FLEET = "fleet"
     # Not a spec: set ("1") by `supervisor watch --fresh-start` / `batchfleet run --fresh-start`: workers

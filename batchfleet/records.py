@@ -7,6 +7,7 @@
   Its `facts` (`ServerFacts`) are what the server said about itself at start-up: pool sizes, the
   cap and what caused it; they do not change while the server lives.
 - `Event`: a decision or restart (`EventKind`), for `supervisor watch` and the audit trail.
+- `TenantFigures`: what the head of a shared fleet knows of one tenant's share (`Keys.tenants`).
 - `ServerSpec`: the server configuration the supervisor wants, with its generation number
   (`Keys.control`: field `fleet` for every worker, `queue:<queue>` to override one GPU, e.g. a canary;
   keyed by queue, not worker name, so a restarted worker finds what was asked of its GPU).
@@ -44,6 +45,7 @@ __all__ = [
     "ServerMetrics",
     "ServerSpec",
     "Strategy",
+    "TenantFigures",
     "WorkerState",
     "WorkerStatus",
     "decode",
@@ -326,4 +328,29 @@ class Event:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Event:
+        return loads(cls, raw)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantFigures:
+    """One tenant of a shared fleet, as its head feeds it (`producer.share`); one field of
+    `Keys.tenants` per tenant, rewritten every pass while the run is live."""
+
+    tenant: str
+    weight: float = 1.0
+    share: float = 0.0  # its part of the fleet's output tokens over the last minute
+    tokens_per_s: float = 0.0  # its output tokens per second over the last minute
+    load: float = 0.0  # its decayed usage over its weight: the tenant with the smallest is fed next
+    in_redis: int = 0  # prompts fed, no result collected yet
+    waiting: int = 0  # prompts in the store not fed yet
+    fed: int = 0  # prompts this head fed it
+    results: int = 0  # results this head collected for it
+    output_tokens: int = 0  # their output tokens
+    ts: float = field(default_factory=time.time)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> TenantFigures:
         return loads(cls, raw)

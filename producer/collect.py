@@ -20,7 +20,7 @@ is taken unless the prompt's request was replaced.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO
 
 import orjson
@@ -46,6 +46,7 @@ class CollectSummary:
     failed: int = 0
     rejected: int = 0  # entries that answer no prompt of this run (forged, foreign, unreadable)
     stale: int = 0  # results of a request `enqueue --rerun-changed` replaced: dropped, the prompt runs again
+    by_input: dict[int, list[int]] = field(default_factory=dict)  # input -> [results, output tokens] stored
 
     @property
     def stored(self) -> int:
@@ -56,6 +57,10 @@ class CollectSummary:
         self.failed += other.failed
         self.rejected += other.rejected
         self.stale += other.stale
+        for f, (n, tokens) in other.by_input.items():
+            have = self.by_input.setdefault(f, [0, 0])
+            have[0] += n
+            have[1] += tokens
 
 def redis_time_s(entry_id: bytes) -> float:
     """When Redis added a stream entry, in seconds: the milliseconds part of its id (`<ms>-<seq>`). Entries
@@ -109,6 +114,9 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
                         rows.append((hit[0], hit[1], int(res.ok), orjson.dumps(res.batch_output_line()),
                                      redis_time_s(eid)))  # Redis's clock orders results, not the worker host's
                         ok_jids.append(res.jid)
+                        used = out.by_input.setdefault(hit[4], [0, 0])
+                        used[0] += 1
+                        used[1] += res.completion_tokens
                         if res.ok:
                             out.succeeded += 1
                         else:

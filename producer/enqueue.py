@@ -504,7 +504,7 @@ class _Refused(Exception):
 
 
 def enqueue_whole(store: Store, path: Path, *, name: str, prefix: str, url: str, model: str, max_requests: int,
-                  max_problems: int = 100) -> Whole:
+                  max_problems: int = 100, owner: tuple[str, int] | None = None) -> Whole:
     """Store every request of the batch-form file at `path` as ONE new input named `name`, all of them or
     none: read as `enqueue_file` reads a file (`read_requests`), each stored under `prefix + custom_id`,
     in one write transaction (a crash leaves the whole input or none of it; its prompts hold consecutive
@@ -512,11 +512,14 @@ def enqueue_whole(store: Store, path: Path, *, name: str, prefix: str, url: str,
     request, asks another `url`, repeats a custom_id, or is past `max_requests` refuses the input with
     its problem; so does a file without a request. Prompts already stored under `prefix` (a caller that
     restarted after the commit) are found there, not stored twice. `model`: body.model of a line
-    without one."""
+    without one. `owner`: (tenant, priority: 0 high, 1 normal, 2 low) of the input, recorded in the same
+    transaction (`Store.shares`): the head shares the fleet between owners from its first feed of it."""
     out = Whole()
     try:
         with store.write():
             out.input_id = store.file_id(name)
+            if owner is not None:
+                store.shares.own(out.input_id, *owner)
             span, n = store.span_of(prefix)
             if n:
                 out.span, out.prompts, out.model = span, n, _model_of(store, span)

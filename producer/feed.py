@@ -35,11 +35,13 @@ from batchfleet.keys import RQ_QUEUES, Keys
 
 from .plan import Dealer, PlanRow
 from .scripts import FEED
-from .store import Store
+from .share import FairShare
+from .store import FEED_ORDER, Store
 
 __all__ = ["DrainMeter", "FeedSummary", "Feeder", "feed_pass", "window_target"]
 
 FEED_BATCH = 2000  # prompts per store transaction and Lua call
+SHARE_CHUNK = 128  # ... while several tenants of one priority have work: the share's grain
 
 
 class DrainMeter:
@@ -71,10 +73,16 @@ class DrainMeter:
         return (dq[-1][1] - dq[0][1]) / (dq[-1][0] - dq[0][0])
 
 
-def window_target(config: Config, capacity: int, rate: float) -> int:
-    """How many prompts one queue should hold in Redis."""
+def window_target(config: Config, capacity: int, rate: float, *, shared: bool = False) -> int:
+    """How many prompts one queue should hold in Redis. In a shared fleet (`shared`: tenants' shares,
+    `producer.share`) `share_window_s` of its drain rate once that is known: what the servers run
+    follows the feed's choices within seconds (a batch of a tenant who was idle does not wait behind
+    a minute of another's work), at the price of a window that lasts seconds, not a minute, when the
+    head stops."""
     if capacity <= 0 and rate <= 0:
         return config.window_default
+    if shared and rate > 0:
+        return max(1, min(config.window_max, max(capacity // 4, math.ceil(config.share_window_s * rate))))
     return max(1, min(config.window_max, max(2 * capacity, math.ceil(config.window_s * rate))))
 
 
@@ -98,9 +106,13 @@ class Feeder:
         self.keys = Keys(config.run)
         self.dealer = Dealer()  # the plan's units and which queue each goes to (affinity while it lives)
         self.predicted: dict[str, tuple[int, int]] = {}
+        self.share = FairShare(half_life_s=config.share_half_life_s)
+        self._shared = False
 
     def targets(self, queues: list[str], capacity: dict[str, int], meter: DrainMeter | None) -> dict[str, int]:
-        return {q: window_target(self.config, capacity.get(q, 0), meter.rate(q) if meter else 0.0) for q in queues}
+        shared = self.shared()
+        return {q: window_target(self.config, capacity.get(q, 0), meter.rate(q) if meter else 0.0, shared=shared)
+                for q in queues}
 
     def top_up(self, targets: dict[str, int]) -> FeedSummary:
         """Feed each queue up to its target (what it holds now counts)."""
@@ -113,26 +125,66 @@ class Feeder:
         lengths = pipe.execute()
         return self.feed({q: max(0, targets[q] - n) for q, n in zip(queues, lengths, strict=True)})
 
+    def shared(self) -> bool:
+        """Is this a shared fleet's store (`batchfleet serve`'s: its inputs have owners, fed by input)?
+        Then the feed shares the fleet between them (`producer.share`) and keeps a short window."""
+        if not self._shared:  # once shared, always: owners are never removed
+            with self.store.read():
+                self._shared = self.store.get_meta(FEED_ORDER) == "input" and self.store.shares.any()
+                if self._shared:  # what was fed before this head started is in Redis still
+                    for tenant, n in self.store.shares.in_redis().items():
+                        self.share.in_redis(tenant, n)
+        return self._shared
+
     def feed(self, deficits: dict[str, int]) -> FeedSummary:
         """Feed up to `deficits[q]` prompts to each queue q, in the store's order: the plan's, as units
-        (a unit may take a queue past its deficit), else longest expected work first, dealt in turn."""
+        (a unit may take a queue past its deficit), else longest expected work first, dealt in turn; in
+        a shared fleet's store, input by input as `producer.share` picks them."""
         out = FeedSummary(fed={q: 0 for q in deficits})
         left = {q: n for q, n in deficits.items() if n > 0}
+        if left and self.shared():
+            return self._feed_shared(left, out)
         while left:
-            with self.store.write():
-                rows = self.store.next_to_feed(min(FEED_BATCH, sum(left.values())))
-                if not rows:
-                    return out
-                dealt = self._deal(rows, left)
-                taken = {q: sum(len(u) for u in units) for q, units in dealt.items()}
-                _, present, per_queue = self._write_jobs(dealt)
-                self.store.fed_rows(rows[:sum(taken.values())])
-            out.present += present
-            for q, n in zip(dealt, per_queue, strict=True):
-                out.fed[q] += n
-                left[q] -= taken[q]
-            left = {q: n for q, n in left.items() if n > 0}
+            if not self._feed_chunk(min(FEED_BATCH, sum(left.values())), left, out):
+                break
         return out
+
+    def _feed_shared(self, left: dict[str, int], out: FeedSummary) -> FeedSummary:
+        with self.store.read():
+            waiting = self.store.shares.waiting()
+            weights = self.store.shares.weights()
+        while left and waiting:
+            pick = self.share.pick(waiting, weights)
+            assert pick is not None
+            rivals = {w.tenant for w in waiting if w.priority == pick.input.priority}
+            room = sum(left.values())
+            limit = min(max(16, room // 4), SHARE_CHUNK, room) if len(rivals) > 1 else min(FEED_BATCH, room)
+            rows = self._feed_chunk(limit, left, out, file=pick.input.file, front=pick.front)
+            self.share.charge(pick.input.tenant, (row.cost for row in rows))
+            if len(rows) < limit:  # the input has nothing more waiting
+                waiting.remove(pick.input)
+        return out
+
+    def _feed_chunk(self, limit: int, left: dict[str, int], out: FeedSummary, *, file: int | None = None,
+                    front: bool = False) -> list[PlanRow]:
+        """One store transaction: up to `limit` rows (of input `file`) dealt over `left` (updated, as
+        `out`). Returns the rows fed."""
+        with self.store.write():
+            rows = self.store.next_to_feed(limit, file=file)
+            if not rows:
+                return rows
+            dealt = self._deal(rows, left)
+            taken = {q: sum(len(u) for u in units) for q, units in dealt.items()}
+            rows = rows[:sum(taken.values())]
+            _, present, per_queue = self._write_jobs(dealt, front=front)
+            self.store.fed_rows(rows, file=file)
+        out.present += present
+        for q, n in zip(dealt, per_queue, strict=True):
+            out.fed[q] += n
+            left[q] -= taken[q]
+            if left[q] <= 0:
+                del left[q]
+        return rows
 
     def _deal(self, rows: list[PlanRow], left: dict[str, int]) -> dict[str, list[list[tuple[PlanRow, str]]]]:
         """queue -> its share of `rows` (a prefix of them in all), as (row, unit) lists: the plan's units
@@ -157,7 +209,8 @@ class Feeder:
                 break
         return {q: g for q, g in out.items() if g}
 
-    def _write_jobs(self, dealt: dict[str, list[list[tuple[PlanRow, str]]]]) -> tuple[int, int, list[int]]:
+    def _write_jobs(self, dealt: dict[str, list[list[tuple[PlanRow, str]]]], *,
+                    front: bool = False) -> tuple[int, int, list[int]]:
         k, run = self.keys, self.config.run
         jobs: list[str] = []
         argv: list[bytes | str] = []
@@ -173,8 +226,8 @@ class Feeder:
         added, present, *per_queue = FEED.call(
             self.r, keys={"done": k.done, "stats": k.stats, "queue_index": RQ_QUEUES,
                           "queues": [Keys.queue(q) for q in dealt], "jobs": jobs},
-            args={"names": list(dealt), "counts": counts, "shared": [p[0] for p in predicted],
-                  "sizes": [p[1] for p in predicted], "jobs_argv": argv})
+            args={"front": "1" if front else "0", "names": list(dealt), "counts": counts,
+                  "shared": [p[0] for p in predicted], "sizes": [p[1] for p in predicted], "jobs_argv": argv})
         return int(added), int(present), [int(n) for n in per_queue]
 
 

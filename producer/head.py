@@ -47,6 +47,7 @@ from .feed import DrainMeter, Feeder
 from .locate import Access, NoStore, ensure_marker, locate
 from .recover import audit, recover
 from .store import Store, StoreError
+from .tenants import TenantBook
 
 __all__ = ["Head"]
 
@@ -76,6 +77,7 @@ class Head:
         self._scrub = Scrubber.for_config(config)  # an error text never prints a secret
         self.ended = False  # the run's keys were given their end-of-run TTL
         self.gauges: dict[str, int] = {}  # what was last published to the run's stats
+        self.tenants: TenantBook | None = None
 
     def say(self, text: str) -> None:
         print(f"head: {self._scrub(text)}", file=self.log, flush=True)
@@ -110,7 +112,7 @@ class Head:
                     if key not in self.said_errors:
                         self.said_errors.add(key)
                         self.say(f"unexpected error, carrying on: {key}\n{traceback.format_exc()}")
-                self.stop.wait(self.interval_s)
+                self._pause()
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
@@ -123,7 +125,7 @@ class Head:
     def step(self) -> None:
         if self.store is None and not self._open():
             return
-        assert self.store is not None and self.feeder is not None
+        assert self.store is not None and self.feeder is not None and self.tenants is not None
         with self.store.read():
             cancelled = self.store.cancelled_at() is not None
             live = self.store.counts()["pending"] > 0
@@ -131,6 +133,8 @@ class Head:
             self._check_marker()
         got = collect_once(self.r, self.store, self.keys, log=self.log)
         self.total.add(got)
+        if self.feeder.shared():
+            self.tenants.observe(got)
         if not cancelled:
             n = refeed(self.r, self.store, self.keys)
             if n:
@@ -164,11 +168,25 @@ class Head:
         with self.store.read():
             counts = self.store.counts()
         self._publish(counts)
+        if self.feeder.shared():
+            self.tenants.publish()
         if got.stored or fed.total:
             per_queue = ", ".join(f"{q} {n:,}" for q, n in fed.fed.items() if n)
             self.say(f"+{got.succeeded:,} ok, +{got.failed:,} failed (total {self.total.succeeded:,} ok, "
                      f"{self.total.failed:,} failed); fed {fed.total:,}{' (' + per_queue + ')' if per_queue else ''}; "
                      f"{counts['waiting']:,} waiting in the store, {counts['pending']:,} pending")
+
+    def _pause(self) -> None:
+        """Until the next pass: `interval_s`, or less when something is pushed to `Keys.wake` (serve stored
+        a batch: a high-priority one is fed at once)."""
+        if self.redis_down_since is None and not self.stop.is_set():
+            try:
+                if self.r.blpop([self.keys.wake], timeout=self.interval_s) is not None:
+                    self.r.delete(self.keys.wake)
+                return
+            except (redis.RedisError, OSError):
+                pass  # the next pass says it
+        self.stop.wait(self.interval_s)
 
     def _publish(self, counts: dict[str, int], *, changed_only: bool = False) -> None:
         """The store's figures for those without it (the supervisor's ETA counts `store_pending`)."""
@@ -203,6 +221,7 @@ class Head:
             raise redis.ConnectionError(loc.redis_error)
         self.store, self.marker = loc.store, loc.marker
         self.feeder = Feeder(self.config, self.r, loc.store)
+        self.tenants = TenantBook(self.r, self.keys, loc.store, self.feeder.share)
         self.say(f"run {self.config.run}: store {loc.store.path} ({loc.store.id}); "
                  f"Redis {redacted(self.config.redis_url)}")
         return True

@@ -117,6 +117,7 @@ class PlanRow(NamedTuple):
     body: bytes  # canonical JSON, as stored and sent
     fp: str  # fingerprint, hex ("" for a row made before fingerprints)
     pos: int = 0  # its place in the plan (0: fed without one)
+    cost: int = 0  # its expected work (max_tokens; UNBOUNDED_COST without one)
 
 
 @dataclass(slots=True)

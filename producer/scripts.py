@@ -23,7 +23,7 @@ from batchfleet.scripts import Each, Script
 __all__ = ["CANCEL", "CHECK", "EXPIRE", "EXPIRE_FAILED", "FEED", "RUN_JOBS", "TAKE_FAILED", "TRIM"]
 
 FEED = Script("producer", "feed", keys=("done", "stats", "queue_index", Each("queues"), Each("jobs")),
-              argv=(Each("names"), Each("counts"), Each("shared"), Each("sizes"),  # one of each per queue
+              argv=("front", Each("names"), Each("counts"), Each("shared"), Each("sizes"),  # one of each per queue
                     Each("jobs_argv", "data", "grp")))
 CHECK = Script("producer", "check", keys=("done", Each("jobs")))
 TAKE_FAILED = Script("producer", "take_failed", keys=("done", Each("jobs", "job", "failed", "results")))

@@ -55,9 +55,25 @@ from .fingerprint import FileFingerprint, canonical, canonical_request, fingerpr
 from .plan import PlanRow
 from .storefile import READABLE, SCHEMA_VERSION, connect, create, migrate
 
-__all__ = ["UNBOUNDED_COST", "FileFingerprint", "Input", "Known", "MissingStore", "Span", "State", "Store",
-           "StoreError", "canonical", "canonical_request", "fingerprint"]
+__all__ = [
+    "DEFAULT_TENANT",
+    "UNBOUNDED_COST",
+    "FileFingerprint",
+    "Input",
+    "Known",
+    "MissingStore",
+    "Shares",
+    "Span",
+    "State",
+    "Store",
+    "StoreError",
+    "WaitingInput",
+    "canonical",
+    "canonical_request",
+    "fingerprint",
+]
 
+DEFAULT_TENANT = "default"  # who owns an input enqueued without an owner
 UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so it goes first
 _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 FEED_ORDER = "feed_order"  # meta key: "input" feeds older inputs first (see `order_feed_by_input`)
@@ -244,6 +260,7 @@ class Store(StoreReads):
                              f"{meta.get('schema', '1')}, this one reads {SCHEMA_VERSION})")
         self.schema: str = meta["schema"]
         self.plan = Plan(self)
+        self.shares = Shares(self)
         self.id: str = meta["store_id"]
         self.run: str = meta["run"]
         self.created: float = float(meta["created"])
@@ -395,22 +412,26 @@ class Store(StoreReads):
         if self.plan.on:
             self.plan.rebuild()
 
-    def next_to_feed(self, limit: int) -> list[PlanRow]:
-        """Up to `limit` WAITING prompts in the order this store feeds them: the plan's (producer/plan.py),
-        else longest expected work first (in a store ordered by input: the oldest input's first, longest
-        first within it)."""
+    def next_to_feed(self, limit: int, *, file: int | None = None) -> list[PlanRow]:
+        """Up to `limit` WAITING prompts (of input `file` only, when given) in the order this store feeds
+        them: the plan's (producer/plan.py), else longest expected work first (in a store ordered by
+        input: the oldest input's first, longest first within it)."""
         if self.plan.on:
-            return self.plan.next(limit)
-        rows = self.db.execute(
-            f"SELECT seq, cid, ep, body, fp FROM prompts WHERE state = 0 ORDER BY {self._waiting_order()} LIMIT ?",
-            (limit,))
-        return [PlanRow(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "") for seq, cid, ep, body, fp in rows]
+            return self.plan.next(limit, file=file)
+        if file is not None:
+            rows = self.db.execute("SELECT seq, cid, ep, body, fp, cost FROM prompts WHERE state = 0 AND file = ? "
+                                   "ORDER BY cost DESC, seq LIMIT ?", (file, limit))
+        else:
+            rows = self.db.execute(f"SELECT seq, cid, ep, body, fp, cost FROM prompts WHERE state = 0 "
+                                   f"ORDER BY {self._waiting_order()} LIMIT ?", (limit,))
+        return [PlanRow(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "", 0, cost)
+                for seq, cid, ep, body, fp, cost in rows]
 
-    def fed_rows(self, rows: Sequence[PlanRow]) -> int:
+    def fed_rows(self, rows: Sequence[PlanRow], *, file: int | None = None) -> int:
         """These prompts (a prefix of what `next_to_feed` gave, in its order) are in Redis now: FED, and
         the plan goes on after them. Returns how many moved."""
-        if rows and self.plan.on:
-            self.plan.advance(rows[-1].pos)
+        if rows and self.plan.on and rows[-1].pos:
+            self.plan.advance(rows[-1].pos, file=file)
         return self.set_state([row.seq for row in rows], State.WAITING, State.FED)
 
     def set_state(self, seqs: Sequence[int], old: State, new: State) -> int:
@@ -422,13 +443,13 @@ class Store(StoreReads):
         return n
 
     # --- collect (inside write()) -------------------------------------------------------------------
-    def lookup(self, cids: Sequence[str]) -> dict[str, tuple[int, int, str, bool]]:
-        """cid -> (seq, state, fp, rerun) for those of `cids` that were enqueued: `fp` the fingerprint of
-        its request in hex ("" in a row made before fingerprints), `rerun` whether `--rerun-changed`
-        replaced its request."""
-        rows = self._among("SELECT p.cid, p.seq, p.state, p.fp, r.seq IS NOT NULL FROM prompts p "
+    def lookup(self, cids: Sequence[str]) -> dict[str, tuple[int, int, str, bool, int]]:
+        """cid -> (seq, state, fp, rerun, file) for those of `cids` that were enqueued: `fp` the
+        fingerprint of its request in hex ("" in a row made before fingerprints), `rerun` whether
+        `--rerun-changed` replaced its request, `file` its input."""
+        rows = self._among("SELECT p.cid, p.seq, p.state, p.fp, r.seq IS NOT NULL, p.file FROM prompts p "
                            "LEFT JOIN reruns r ON r.seq = p.seq WHERE p.cid IN ({})", cids)
-        return {c: (s, st, fp.hex() if fp else "", bool(rerun)) for c, s, st, fp, rerun in rows}
+        return {c: (s, st, fp.hex() if fp else "", bool(rerun), f) for c, s, st, fp, rerun, f in rows}
 
     def stale(self, seqs: Sequence[int]) -> int:
         """A late result of a replaced request was refused for these prompts: those FED wait to be fed
@@ -531,39 +552,110 @@ class Plan:
     def rebuild(self) -> int:
         """Order the waiting prompts anew: longest expected work first, then by plan key (prompts that
         share a prefix side by side), then input order; a store ordered by input keeps its inputs in
-        order first. Returns how many are planned."""
+        order first (each input's prompts side by side: read on per input, `next(file=)`). Returns how
+        many are planned."""
         order = "file, cost DESC, pk, seq" if self.store.get_meta(FEED_ORDER) == "input" else "cost DESC, pk, seq"
         self.db.execute("DELETE FROM plan")
-        n = self.db.execute(f"INSERT INTO plan (seq) SELECT seq FROM prompts WHERE state = 0 ORDER BY {order}").rowcount
+        self.db.execute("DELETE FROM plan_cursors")
+        n = self.db.execute(f"INSERT INTO plan (seq, file) SELECT seq, file FROM prompts WHERE state = 0 "
+                            f"ORDER BY {order}").rowcount
         self.db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                             [(PLAN_CURSOR, "0"), (PLAN_STALE, "0")])
         return n
 
-    def next(self, limit: int) -> list[PlanRow]:
-        """Up to `limit` WAITING prompts after the cursor, in plan order. A stale plan is rebuilt first once
-        no prompt became WAITING for SETTLED_S, or when it has nothing left: a run of 10M prompts is fed
-        while an enqueue still stores it, by a plan of what was there (rebuilt when that runs dry, not at
-        every feed pass over all that waits), and planned whole once the enqueue is done."""
+    def next(self, limit: int, *, file: int | None = None) -> list[PlanRow]:
+        """Up to `limit` WAITING prompts after the cursor (of input `file`, or of the whole plan), in plan
+        order. A stale plan is rebuilt first once no prompt became WAITING for SETTLED_S, or when it has
+        nothing left: a run of 10M prompts is fed while an enqueue still stores it, by a plan of what was
+        there (rebuilt when that runs dry, not at every feed pass over all that waits), and planned
+        whole once the enqueue is done."""
         since = float(self.store.get_meta(PLAN_STALE) or 0)  # when prompts last became WAITING unplanned
         stale = since > 0
         if stale and time.time() - since > SETTLED_S:
             self.rebuild()
             stale = False
-        rows = self._after(int(self.store.get_meta(PLAN_CURSOR) or 0), limit)
+        rows = self._after(self._cursor(file), limit, file)
         if not rows and stale:
             self.rebuild()
-            rows = self._after(0, limit)
+            rows = self._after(0, limit, file)
         return rows
 
-    def _after(self, cursor: int, limit: int) -> list[PlanRow]:
+    def _cursor(self, file: int | None) -> int:
+        if file is None:
+            return int(self.store.get_meta(PLAN_CURSOR) or 0)
+        row = self.db.execute("SELECT pos FROM plan_cursors WHERE file = ?", (file,)).fetchone()
+        return 0 if row is None else row[0]
+
+    def _after(self, cursor: int, limit: int, file: int | None) -> list[PlanRow]:
+        where = "plan.pos > ?" if file is None else "plan.file = ? AND plan.pos > ?"
+        args = (cursor, limit) if file is None else (file, cursor, limit)
         rows = self.db.execute(
-            "SELECT p.seq, p.cid, p.ep, p.body, p.fp, plan.pos FROM plan JOIN prompts p ON p.seq = plan.seq "
-            "WHERE plan.pos > ? AND p.state = 0 ORDER BY plan.pos LIMIT ?", (cursor, limit))
-        return [PlanRow(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "", pos)
-                for seq, cid, ep, body, fp, pos in rows]
+            "SELECT p.seq, p.cid, p.ep, p.body, p.fp, plan.pos, p.cost FROM plan JOIN prompts p ON p.seq = plan.seq "
+            f"WHERE {where} AND p.state = 0 ORDER BY plan.pos LIMIT ?", args)
+        return [PlanRow(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "", pos, cost)
+                for seq, cid, ep, body, fp, pos, cost in rows]
+
+    def advance(self, pos: int, *, file: int | None = None) -> None:
+        """The prompts up to `pos` (of input `file`) are fed: the next read starts after it."""
+        if file is None:
+            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (PLAN_CURSOR, str(pos)))
+        else:
+            self.db.execute("INSERT OR REPLACE INTO plan_cursors (file, pos) VALUES (?, ?)", (file, pos))
 
 
+class WaitingInput(NamedTuple):
+    """An input with prompts waiting in the store, as the feed shares the fleet between owners."""
 
-    def advance(self, pos: int) -> None:
-        """The prompts up to `pos` are fed: the next read starts after it."""
-        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (PLAN_CURSOR, str(pos)))
+    file: int
+    tenant: str
+    priority: int  # 0 high, 1 normal, 2 low
+
+
+class Shares:
+    """Who owns each input and at what priority (`owners`), and each owner's weight (`tenants`): what
+    `batchfleet serve` records for its tenants' batches, and the head reads to share the fleet."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.db = store.db
+
+    def own(self, file: int, tenant: str, priority: int) -> None:
+        """Input `file` is `tenant`'s, at `priority` (inside write())."""
+        self.db.execute("INSERT OR REPLACE INTO owners (file, tenant, priority) VALUES (?, ?, ?)",
+                        (file, tenant, priority))
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """The tenants' weights, all of them (inside write()); one not named weighs 1."""
+        self.db.execute("DELETE FROM tenants")
+        self.db.executemany("INSERT INTO tenants (name, weight) VALUES (?, ?)", list(weights.items()))
+
+    def weights(self) -> dict[str, float]:
+        return dict(self.db.execute("SELECT name, weight FROM tenants").fetchall())
+
+    def any(self) -> bool:
+        """Does any input have an owner (a store `batchfleet serve` writes)?"""
+        if self.store.schema != SCHEMA_VERSION:
+            return False
+        return self.db.execute("SELECT 1 FROM owners LIMIT 1").fetchone() is not None
+
+    def waiting(self) -> list[WaitingInput]:
+        """The inputs with prompts waiting in the store, the oldest first; one without an owner is
+        DEFAULT_TENANT's, at normal priority."""
+        if self.store.schema != SCHEMA_VERSION:
+            return []
+        rows = self.db.execute(
+            "SELECT f.id, COALESCE(o.tenant, ?), COALESCE(o.priority, 1) FROM files f LEFT JOIN owners o "
+            "ON o.file = f.id WHERE EXISTS (SELECT 1 FROM prompts p WHERE p.state = 0 AND p.file = f.id) "
+            "ORDER BY f.id", (DEFAULT_TENANT,))
+        return [WaitingInput(*row) for row in rows]
+
+    def in_redis(self) -> dict[str, int]:
+        """Tenant -> its prompts FED (in Redis, no result yet): what a head that starts finds."""
+        rows = self.db.execute("SELECT COALESCE(o.tenant, ?), COUNT(*) FROM prompts p LEFT JOIN owners o "
+                               "ON o.file = p.file WHERE p.state = 1 GROUP BY 1", (DEFAULT_TENANT,))
+        return dict(rows.fetchall())
+
+    def owner(self, file: int) -> tuple[str, int]:
+        """(tenant, priority) of input `file`."""
+        row = self.db.execute("SELECT tenant, priority FROM owners WHERE file = ?", (file,)).fetchone()
+        return (DEFAULT_TENANT, 1) if row is None else (row[0], row[1])

@@ -52,7 +52,11 @@ CREATE TABLE IF NOT EXISTS results (
 );
 CREATE TABLE IF NOT EXISTS tally (name TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS reruns (seq INTEGER PRIMARY KEY);
-CREATE TABLE IF NOT EXISTS plan (pos INTEGER PRIMARY KEY, seq INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS plan (pos INTEGER PRIMARY KEY, seq INTEGER NOT NULL, file INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS plan_file ON plan(file, pos);
+CREATE TABLE IF NOT EXISTS plan_cursors (file INTEGER PRIMARY KEY, pos INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS owners (file INTEGER PRIMARY KEY, tenant TEXT NOT NULL, priority INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tenants (name TEXT PRIMARY KEY, weight REAL NOT NULL) WITHOUT ROWID;
 INSERT OR IGNORE INTO tally (name, n) VALUES ('waiting', 0), ('fed', 0), ('done', 0), ('ok', 0), ('cancelled', 0);
 """
 
@@ -66,10 +70,15 @@ ALTER TABLE files ADD COLUMN enqueued_at REAL;
 CREATE TABLE IF NOT EXISTS reruns (seq INTEGER PRIMARY KEY);
 """
 
-# Schema 3 -> 4: the prefix plan (producer/plan.py). Old rows keep pk NULL: they sort together, first.
+# Schema 3 -> 4: the prefix plan (producer/plan.py; old rows keep pk NULL: they sort together, first),
+# and who owns an input and how much the fleet owes it (`batchfleet serve`'s tenants).
 _MIGRATE_3 = """
 ALTER TABLE prompts ADD COLUMN pk BLOB;
-CREATE TABLE IF NOT EXISTS plan (pos INTEGER PRIMARY KEY, seq INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS plan (pos INTEGER PRIMARY KEY, seq INTEGER NOT NULL, file INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS plan_file ON plan(file, pos);
+CREATE TABLE IF NOT EXISTS plan_cursors (file INTEGER PRIMARY KEY, pos INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS owners (file INTEGER PRIMARY KEY, tenant TEXT NOT NULL, priority INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tenants (name TEXT PRIMARY KEY, weight REAL NOT NULL) WITHOUT ROWID;
 """
 
 

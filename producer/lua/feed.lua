@@ -7,7 +7,8 @@
 -- `grp` (its plan unit, producer/plan.py; '' without a plan) is kept in its hash: a worker stealing from
 -- another GPU's queue takes whole units (worker/lua/claim.lua). Per queue, the plan's prediction of what
 -- its new prompts share with the ones before them there (`shared` of `sizes` bytes) adds to the run's
--- stats, `plan_shared:<q>` and `plan_bytes:<q>`, with the jobs.
+-- stats, `plan_shared:<q>` and `plan_bytes:<q>`, with the jobs. `front` '1' puts the new jobs at the front
+-- of their queues, in their order (a high-priority batch of a shared fleet: claimed at the next free slot).
 -- -> {new jobs, jobs already present, new jobs per queue...}
 local added, present, k, a, per_queue = 0, 0, jobs_first, jobs_argv_first, {}
 for q = 0, queues_last - queues_first do
@@ -30,8 +31,16 @@ for q = 0, queues_last - queues_first do
   end
   if #ids > 0 then
     -- unpack in slices: Lua's C stack takes a few thousand values at most
-    for i = 1, #ids, 1000 do
-      redis.call('RPUSH', KEYS[queues_first + q], unpack(ids, i, math.min(i + 999, #ids)))
+    if front == '1' then
+      local rev = {}
+      for i = #ids, 1, -1 do rev[#rev + 1] = ids[i] end
+      for i = 1, #rev, 1000 do
+        redis.call('LPUSH', KEYS[queues_first + q], unpack(rev, i, math.min(i + 999, #rev)))
+      end
+    else
+      for i = 1, #ids, 1000 do
+        redis.call('RPUSH', KEYS[queues_first + q], unpack(ids, i, math.min(i + 999, #ids)))
+      end
     end
     redis.call('SADD', queue_index, KEYS[queues_first + q])
     redis.call('HINCRBY', stats, 'enqueued:' .. name, #ids)

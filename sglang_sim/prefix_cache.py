@@ -85,6 +85,12 @@ class RadixTree:
         self.protected = 0  # ... in locked nodes
         self.states = 0  # mamba states held by the tree
         self._leaves: set[Node] = set()
+        # (access, seq, leaf) whenever a leaf's access changes or a node becomes a leaf: a heap kept across
+        # evictions (rebuilding one from every leaf per eviction costs ~1 us a leaf, and a full pool of
+        # short prompts holds tens of thousands); an entry whose leaf was touched since, deleted or grew
+        # children is stale and skipped when popped
+        self._lru: list[tuple[int, int, Node]] = []
+        self._seq = itertools.count()
         self._state_nodes: set[Node] = set()
 
     @staticmethod
@@ -153,7 +159,12 @@ class RadixTree:
             n = n.parent
         if best.state:
             best.state_access = now
+        if not best.children and not best.is_root:
+            self._push_leaf(best)
         return Match(best, best.depth, full)
+
+    def _push_leaf(self, leaf: Node) -> None:
+        heapq.heappush(self._lru, (leaf.access, next(self._seq), leaf))
 
     def insert(self, words: list[str], length: int, *, state: bool = False, start: Node | None = None,
                ns: str | None = None) -> Node:
@@ -178,6 +189,8 @@ class RadixTree:
             self._leaves.add(leaf)
             self.total += length - off
             node = leaf
+        if not node.children and not node.is_root:
+            self._push_leaf(node)
         if state and not node.is_root:
             if not node.state:
                 node.state = True
@@ -231,23 +244,30 @@ class RadixTree:
             self._state_nodes.discard(leaf)
         if not parent.is_root and not parent.children:
             self._leaves.add(parent)
+            self._push_leaf(parent)
 
     def evict_tokens(self, n: int) -> int:
         """Free at least n tokens (whole leaves, LRU first) if the unlocked part holds them; returns freed."""
         freed = 0
         if n <= 0:
             return 0
-        heap = [(leaf.access, id(leaf), leaf) for leaf in self._leaves if leaf.lock == 0]
-        heapq.heapify(heap)
+        heap = self._lru
+        if len(heap) > 4 * len(self._leaves) + 1024:  # mostly stale entries: rebuild from the leaves
+            heap[:] = [(leaf.access, next(self._seq), leaf) for leaf in self._leaves]
+            heapq.heapify(heap)
+        locked = []
         while freed < n and heap:
-            _, _, leaf = heapq.heappop(heap)
-            if leaf.children or leaf.lock or leaf.parent is None:
+            entry = heapq.heappop(heap)
+            access, _, leaf = entry
+            if leaf.access != access or leaf.children or leaf.parent is None:
+                continue  # stale: touched since, grew children or deleted
+            if leaf.lock:
+                locked.append(entry)  # not evictable now; it keeps its place for later
                 continue
-            parent = leaf.parent
             freed += len(leaf.key)
-            self._delete_leaf(leaf)
-            if not parent.is_root and not parent.children and parent.lock == 0:
-                heapq.heappush(heap, (parent.access, id(parent), parent))
+            self._delete_leaf(leaf)  # a parent left without children joins the heap
+        for entry in locked:
+            heapq.heappush(heap, entry)
         return freed
 
     def evict_states(self, n: int) -> int:

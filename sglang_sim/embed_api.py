@@ -212,6 +212,7 @@ class EmbeddingRoutes:
         items, single = _items(body["input"])
         fmt = body.get("encoding_format", "float")
         try:
+            srv.check_generation_fault([" ".join(t) for t in items])  # the faults count embeddings too
             reqs = self.build(items, rid=body.get("rid"), single=single, lora=body.get("lora_path"),
                               model=str(body.get("model", "default")), dims=dims, endpoint="/v1/embeddings")
             await srv.submit_and_wait(reqs)
@@ -262,6 +263,7 @@ class EmbeddingRoutes:
             items = [embedding_tokens(ids)] if single else [embedding_tokens(t) for t in ids]
         dims = body.get("dimensions")
         try:
+            srv.check_generation_fault([" ".join(t) for t in items])
             reqs = self.build(items, rid=body.get("rid"), single=single, lora=body.get("lora_path"), model=None,
                               dims=dims, endpoint="/encode")
             await srv.submit_and_wait(reqs)

@@ -232,3 +232,17 @@ def test_a_json_model_override_that_is_not_json_fails_in_the_launching_process()
     p = run_sim_cli("--model-path", "sim/model", "--is-embedding", "--json-model-override-args", "{nope",
                     env={"SGLANG_SIM_PROFILE": "tiny-embed"})
     assert p.returncode == 1 and "json.decoder.JSONDecodeError" in p.stderr.splitlines()[-1]
+
+
+def test_the_fault_variables_apply_to_embedding_requests_too() -> None:
+    env = {**FAST, "SGLANG_SIM_ERROR_MARKER": "poison", "SGLANG_SIM_SICK_AFTER": "3"}
+    with start_sim("--is-embedding", env=env) as sim:
+        bad = embed(sim, 500, input=["fine", "a poison pill"])
+        assert bad["code"] == 500 and bad["type"] == "500"
+        assert embed(sim, input="fine")["data"][0]["embedding"] == expected_embedding("fine", hidden_size=DIM)
+        assert httpx.post(sim.url + "/encode", json={"text": "fine"}).status_code == 200
+        sick = httpx.post(sim.url + "/encode", json={"text": "fine"})
+        assert sick.status_code == 500 and sick.json()["code"] == 500
+        obs = sim.observed()
+        assert obs["error_marker_hits"] == 1 and obs["sick"] is True and obs["sick_answers"] == 1
+        assert httpx.get(sim.url + "/health_generate").status_code == 500

@@ -28,8 +28,10 @@ _INT_FLAGS = {
     "chunked_prefill_size", "max_prefill_tokens",
     "max_mamba_cache_size", "mamba_track_interval", "cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill",
     "cuda_graph_max_bs", "random_seed", "base_gpu_id", "page_size", "stream_interval",
+    "prefill_max_requests", "max_loras_per_batch", "max_lora_rank", "max_loaded_loras",
 }
-_FLOAT_FLAGS = {"mem_fraction_static", "mamba_full_memory_ratio", "schedule_conservativeness"}
+_FLOAT_FLAGS = {"mem_fraction_static", "mamba_full_memory_ratio", "schedule_conservativeness",
+                "lora_drain_wait_threshold"}
 
 # Defaults of the flags the simulator reports back in /server_info (values of SGLang 0.5.23).
 _DEFAULTS: dict[str, Any] = {
@@ -37,7 +39,9 @@ _DEFAULTS: dict[str, Any] = {
     "mamba_scheduler_strategy": "auto", "mamba_track_interval": 256, "tp_size": 1, "dp_size": 1,
     "pp_size": 1, "attn_dp_size": 1, "schedule_policy": "fcfs", "log_level": "info", "dtype": "auto",
     "load_format": "auto", "kv_cache_dtype": "auto", "tokenizer_mode": "auto", "page_size": 1, "stream_interval": 1,
-    "schedule_conservativeness": 1.0, "base_gpu_id": 0,
+    "schedule_conservativeness": 1.0, "base_gpu_id": 0, "max_prefill_tokens": 16384,
+    "max_loras_per_batch": 8, "lora_eviction_policy": "lru", "lora_backend": "csgmv", "max_lora_chunk_size": 16,
+    "lora_drain_wait_threshold": 0.0, "json_model_override_args": "{}",
 }
 
 # Legacy spellings, applied when the simulated version predates 0.5.22.

@@ -19,10 +19,11 @@ import contextlib
 import hashlib
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .fatal import SITE_PACKAGES, SchedulerError, die_in_scheduler
 from .faults import Faults
 from .logs import log
 from .memory import MemoryPlan
@@ -31,10 +32,14 @@ from .parallel import Layout
 from .profiles import Profile
 from .radix_cache import CacheConfig, RequestCache
 
-__all__ = ["Engine", "EngineConfig", "QueueFullError", "Request"]
+if TYPE_CHECKING:
+    from .lora import Registry, SlotPool
+
+__all__ = ["Engine", "EngineConfig", "QueueFullError", "Request", "embedding_request"]
 
 TICK_S = 0.015
 NEW_TOKEN_RATIO = 0.3
+MAX_SWITCHES = 2000  # adapter loads the record keeps (the latest)
 
 
 class QueueFullError(Exception):
@@ -67,12 +72,16 @@ class Request:
     branching: int | None = None
     prefill_end: int = 0
     log_entry: list | None = None  # the request's row of the observation record, when it keeps one
+    adapter: str | None = None  # the LoRA adapter's name (None: the base model)
+    lora_id: str | None = None  # ... and its id: the slot it needs, the radix namespace
+    embedding: bool = False  # an embedding request (prefill only; its vector is made when answered)
+    crash_on_decode: bool = False  # a generation that would decode on an embedding server (see Rank)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    prompt_tokens: int = field(init=False)  # max(1, words): read in every admission pass, so kept
 
-    @property
-    def prompt_tokens(self) -> int:
-        return max(1, len(self.prompt_words))
+    def __post_init__(self) -> None:
+        self.prompt_tokens = max(1, len(self.prompt_words))
 
     @property
     def remaining(self) -> int:
@@ -83,6 +92,14 @@ class Request:
         # Like SGLang, admission budgets only a share of the tokens still to come (new_token_ratio);
         # if the pool fills anyway, decode retracts requests (see Rank._retract).
         return self.prompt_tokens + self.generated + int(min(self.remaining, 4096) * NEW_TOKEN_RATIO)
+
+
+def embedding_request(tokens: list[str], *, rid: str, endpoint: str, adapter: Any = None,
+                      internal: bool = False) -> Request:
+    """An embedding request (prefill only) of `tokens` on `adapter` (a lora.Adapter, None: the base)."""
+    return Request(rid=rid, prompt_words=tokens, output_words=[], finish_reason="length", matched_stop=None,
+                   endpoint=endpoint, internal=internal, adapter=adapter.name if adapter else None,
+                   lora_id=adapter.lora_id if adapter else None, embedding=True)
 
 
 @dataclass(frozen=True)
@@ -98,11 +115,23 @@ class EngineConfig:
     layout: Layout = field(default_factory=Layout)
     page_size: int = 1  # --page-size
     track_interval: int = 256  # --mamba-track-interval
+    embedding: bool = False  # --is-embedding: every request is prefill only
+    prefill_max_requests: int | None = None  # --prefill-max-requests
+    lora: Registry | None = None  # LoRA on: the adapters (the server's) and the pool's shapes
+    lora_load_s: Any = None  # lora_id -> model seconds one load into a slot costs
 
     def cache_config(self) -> CacheConfig:
+        chunk = self.plan.chunked_prefill_size
         return CacheConfig(enabled=self.radix, hybrid=self.profile.hybrid, strategy=self.strategy,
-                           page=self.page_size, chunk=self.plan.chunked_prefill_size,
+                           page=self.page_size, chunk=chunk if chunk > 0 else 1 << 62,
                            track_interval=self.track_interval)
+
+    @property
+    def prefill_budget(self) -> int:
+        """New tokens one prefill batch takes: `--chunked-prefill-size` (rem_chunk_tokens) and
+        `--max-prefill-tokens` (rem_input_tokens), whichever binds; chunking off (-1): the latter."""
+        chunk = self.plan.chunked_prefill_size
+        return min(chunk, self.plan.max_prefill_tokens) if chunk > 0 else self.plan.max_prefill_tokens
 
     @property
     def live_mamba_slots(self) -> int:
@@ -143,6 +172,11 @@ class Rank:
         self.last_admit: tuple[float, float] | None = None
         self.first_admit: tuple[float, float] | None = None  # ... just before its first client request's prefill
         self.longest_s = 0.0  # the longest admission-to-finish of a client request, in model time
+        self.slots: SlotPool | None = engine.new_slot_pool()  # LoRA's GPU pool, when LoRA is on
+        # what `#running-req` and num_running_reqs read on an embedding server (its running batch is
+        # the previous prefill batch, under the overlap schedule, while the next one is formed)
+        self.shown_running = 0
+        self.last_prefill_n = 0
 
     # ---- usage figures -------------------------------------------------------------------
     def private_tokens(self) -> int:
@@ -212,14 +246,25 @@ class Rank:
         """FCFS admission. Each candidate is matched and its prefix locked first, so the budget sees
         its cached tokens as in use and every other cached token as free (PrefillAdder.add_one_req)."""
         batch: list[Request] = []
-        budget = self.engine.cfg.plan.chunked_prefill_size
+        cfg = self.engine.cfg
+        budget, max_requests = cfg.prefill_budget, cfg.prefill_max_requests
         cache = self.cache
         reserved = cache.protected + sum(r.reserve_tokens - r.cache_len for r in self.running)
         new_tokens = 0
+        pool = self.slots
+        loras = {r.lora_id for r in self.running} if pool is not None else set()
+        skipped: list[Request] = []
         while self.waiting and len(self.running) + len(batch) < self.cap:
+            if max_requests and len(batch) >= max_requests:
+                break
             req = self.waiting[0]
             if req.state != "waiting":
                 self.waiting.popleft()
+                continue
+            if pool is not None and req.lora_id not in loras and not pool.fits(loras, req.lora_id):
+                # can_schedule_lora_req: its adapter would exceed --max-loras-per-batch; it stays queued
+                # and later requests whose adapters run already pass it
+                skipped.append(self.waiting.popleft())
                 continue
             if (self.running or batch) and reserved + req.reserve_tokens - req.prompt_tokens - req.generated >= \
                     self.tokens:  # cannot fit whatever it reuses: spare the match (CPU)
@@ -244,8 +289,11 @@ class Rank:
                 if req.log_entry is not None:
                     req.log_entry[2] = cached
             batch.append(req)
+            loras.add(req.lora_id)
             reserved = need
             new_tokens += extend
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
         return batch
 
     def advance(self, now: float) -> None:
@@ -271,7 +319,8 @@ class Rank:
                 self.t = max(self.t, min(r.arrival_model for r in batch))
                 if self.first_admit is None and any(not r.internal for r in batch):
                     self.first_admit = (self.t, self.slot_s)
-                prefill = cfg.prefill_s(new_tokens)
+                start = self.t
+                prefill = cfg.prefill_s(new_tokens) + engine.load_adapters(self, {r.lora_id for r in batch})
                 self.slot_s += prefill * (len(self.running) + len(batch))  # the batch holds its slots already
                 self.t += prefill
                 for r in batch:
@@ -290,19 +339,9 @@ class Rank:
                     self.full_at = (self.t, self.slot_s)
                 if any(not r.internal for r in batch):
                     self.last_admit = (self.t, self.slot_s)
-                if cfg.profile.hybrid:
-                    usage = f"full token usage: {self.full_usage():.2f}, mamba usage: {self.mamba_usage():.2f}"
-                else:
-                    usage = f"token usage: {self.full_usage():.2f}"
-                gap, self.last_prefill_t = self.t - self.last_prefill_t, self.t
-                pending = sum(q.prompt_tokens + q.generated for q in self.waiting if q.state == "waiting")
-                self._log(
-                    f"Prefill batch, #new-seq: {len(batch)}, #new-token: {new_tokens}, "
-                    f"#cached-token: {sum(r.prefix_len for r in batch)}, {usage}, "
-                    f"#running-req: {len(self.running)}, #queue-req: {len(self.waiting)}, "
-                    f"#pending-token: {pending}, cuda graph: False, "
-                    f"input throughput (token/s): {new_tokens / gap if gap > 0 else 0.0:.2f}"
-                )
+                self._log(_prefill_line(self, batch, new_tokens, start))
+                if any(r.crash_on_decode for r in batch):
+                    _die_decoding_embeddings(self.prefix)
                 self._retire(engine)
                 if self.hung:
                     return
@@ -326,6 +365,8 @@ class Rank:
         """Up to `steps` decode steps, stopping early at a finish, a log line or a full KV pool."""
         engine = self.engine
         self._retract()
+        if self.slots is not None:  # the decode forward needs its adapters in the pool too
+            self.t += engine.load_adapters(self, {r.lora_id for r in self.running})
         step = engine.cfg.decode_step_s(self.step_batch())
         interval = self.engine.cfg.decode_log_interval
         to_log = interval - self.decode_steps % interval
@@ -386,6 +427,7 @@ class Rank:
                         self.longest_s = max(self.longest_s, self.t - r.admitted_model)
                 self.cache.finished(r, slot_free=self._mamba_slot_free())
                 engine.metrics.on_finish(r)
+                engine.release_adapter(r)
                 r.changed.set()
                 r.done.set()
             else:
@@ -400,9 +442,53 @@ class Rank:
         self.running = [r for r in self.running if r.state == "running"]
 
 
+def _prefill_line(rank: Rank, batch: list[Request], new_tokens: int, start: float) -> str:
+    """The scheduler's `Prefill batch` line (metrics_reporter.report_prefill_stats) for a batch whose
+    forward began at `start`."""
+    cfg = rank.engine.cfg
+    if cfg.embedding:
+        # its running batch holds the previous prefill batch while this one is formed (overlap schedule,
+        # back to back), else nothing: embedding requests finish in their prefill
+        rank.shown_running = rank.last_prefill_n if cfg.overlap and start <= rank.last_prefill_t else 0
+        rank.last_prefill_n = len(batch)
+    if cfg.profile.hybrid:
+        usage = f"full token usage: {rank.full_usage():.2f}, mamba usage: {rank.mamba_usage():.2f}"
+    else:
+        usage = f"token usage: {rank.full_usage():.2f}"
+    gap, rank.last_prefill_t = rank.t - rank.last_prefill_t, rank.t
+    pending = sum(q.prompt_tokens + q.generated for q in rank.waiting if q.state == "waiting")
+    running = rank.shown_running if cfg.embedding else len(rank.running)
+    return (f"Prefill batch, #new-seq: {len(batch)}, #new-token: {new_tokens}, "
+            f"#cached-token: {sum(r.prefix_len for r in batch)}, {usage}, "
+            f"#running-req: {running}, #queue-req: {len(rank.waiting)}, "
+            f"#pending-token: {pending}, cuda graph: False, "
+            f"input throughput (token/s): {new_tokens / gap if gap > 0 else 0.0:.2f}")
+
+
+def _die_decoding_embeddings(prefix: str) -> None:
+    """A generation request with max_new_tokens > 1 on an embedding server: after its prefill it stays in
+    the running batch, the next (decode) step hands `process_batch_result_decode` an EmbeddingBatchResult,
+    and the scheduler dies on it, taking the server down (read from 0.5.23's code, not run)."""
+    srt = f"{SITE_PACKAGES}/sglang/srt/managers"
+    die_in_scheduler([(SchedulerError(
+        "AttributeError: 'EmbeddingBatchResult' object has no attribute 'auxiliary_host_output'",
+        after_load=False, frames=(
+            (f"{srt}/scheduler.py", 6390, "run_scheduler_process", "scheduler.run_event_loop()"),
+            (f"{srt}/scheduler.py", 1532, "event_loop_overlap", "self.process_batch_result(tmp_batch, tmp_result)"),
+            (f"{srt}/scheduler_components/batch_result_processor.py", 959, "process_batch_result_decode",
+             "auxiliary_output_starts = self.snapshot_auxiliary_output_starts(batch, result)"),
+            (f"{srt}/scheduler_components/batch_result_processor.py", 223, "snapshot_auxiliary_output_starts",
+             "if result.auxiliary_host_output is None:"),
+        )), prefix)])
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, *, faults: Faults, metrics: Metrics) -> None:
         self.cfg, self.faults, self.metrics = cfg, faults, metrics
+        # LoRA: loads into a GPU slot per adapter name, and [model s, dp rank, loaded, evicted] per load
+        self.lora_loads: Counter[str] = Counter()
+        self.lora_switches: list[list] = []
+        self.peak_adapters = 0  # the most distinct adapters (the base counting) one rank's forward ran with
         stats = cfg.layout.stats_ranks()  # the rank of each DP rank that logs its batches
         self.ranks = [Rank(self, i, stats[i].prefix(cfg.layout)) for i in range(cfg.layout.num_dp_ranks)]
         self._wall0 = time.monotonic()
@@ -414,7 +500,8 @@ class Engine:
         self.peak_queued = 0
         self.on_tick: list = []  # callbacks after each tick (observation record)
         # [rid, prompt tokens, cached tokens, sha1 of the first 32 words (12 hex)] per client request, in
-        # arrival order, when the observation record lists them (SGLANG_SIM_RECORD_REQUESTS=1)
+        # arrival order, when the observation record lists them (SGLANG_SIM_RECORD_REQUESTS=1); with LoRA
+        # on, a fifth entry: the adapter's name (None: the base model)
         self.request_log: list[list] | None = None
         self._task: asyncio.Task | None = None
 
@@ -428,6 +515,41 @@ class Engine:
     @property
     def queued(self) -> int:
         return sum(sum(1 for q in r.waiting if q.state == "waiting") for r in self.ranks)
+
+    @property
+    def reported_running(self) -> int:
+        """num_running_reqs as the scheduler reports it (an embedding server: see Rank.shown_running)."""
+        return sum(r.shown_running for r in self.ranks) if self.cfg.embedding else self.running
+
+    def new_slot_pool(self) -> SlotPool | None:
+        if self.cfg.lora is None:
+            return None
+        from .lora import SlotPool
+
+        settings = self.cfg.lora.settings
+        return SlotPool(settings.max_loras_per_batch, settings.eviction_policy, self.cfg.lora.pinned_ids)
+
+    def load_adapters(self, rank: Rank, ids: set[str | None]) -> float:
+        """Model seconds a forward of `rank` needing adapters `ids` spends loading them into its GPU pool."""
+        if rank.slots is None:
+            return 0.0
+        self.peak_adapters = max(self.peak_adapters, len(ids | {r.lora_id for r in rank.running}))
+        return sum(self.on_lora_load(rank.index, lora_id, victim) for lora_id, victim in rank.slots.ensure(ids))
+
+    def on_lora_load(self, rank: int, lora_id: str, victim: str | None) -> float:
+        """An adapter was loaded into a GPU slot of `rank` (evicting `victim`): count it; its cost."""
+        reg = self.cfg.lora
+        assert reg is not None
+        name = reg.known[lora_id].name
+        self.lora_loads[name] += 1
+        gone = None if victim is None else reg.known[victim].name
+        self.lora_switches.append([round(self.ranks[rank].t, 6), rank, name, gone])
+        del self.lora_switches[:-MAX_SWITCHES]
+        return self.cfg.lora_load_s(lora_id)
+
+    def release_adapter(self, req: Request) -> None:
+        if self.cfg.lora is not None and req.lora_id is not None:
+            self.cfg.lora.release(req.lora_id)
 
     @property
     def gen_throughput(self) -> float:
@@ -446,6 +568,8 @@ class Engine:
         if self.request_log is not None and not req.internal:
             head = " ".join(req.prompt_words[:32]).encode()
             req.log_entry = [req.rid, req.prompt_tokens, 0, hashlib.sha1(head).hexdigest()[:12]]
+            if self.cfg.lora is not None:  # a LoRA server's rows name the adapter too
+                req.log_entry.append(req.adapter)
             self.request_log.append(req.log_entry)
         rank.waiting.append(req)
 
@@ -465,6 +589,7 @@ class Engine:
         req.abort_status = status
         if not req.internal:
             self.metrics.aborted += 1
+        self.release_adapter(req)
         req.changed.set()
         req.done.set()
 

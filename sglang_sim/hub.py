@@ -17,13 +17,13 @@ import re
 
 from .fatal import SITE_PACKAGES, MainProcessError
 
-__all__ = ["check_model_path"]
+__all__ = ["check_model_path", "repo_id_error"]
 
 # huggingface_hub's REPO_ID_REGEX: an optional namespace, a name of word chars, '-' and '.', <= 96
 _REPO_ID = re.compile(r"^(\b[\w\-.]+\b/)?\b[\w\-.]{1,96}\b$")
 
 
-def _repo_id_error(repo_id: str) -> str | None:
+def repo_id_error(repo_id: str) -> str | None:
     if repo_id.count("/") > 1:
         return (f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{repo_id}'. "
                 "Use `repo_type` argument if needed.")
@@ -41,7 +41,7 @@ def check_model_path(path: str) -> None:
     """Raise MainProcessError (traceback, exit 1) for a path that neither exists nor is a hub id."""
     if os.path.exists(path):
         return
-    error = _repo_id_error(path)
+    error = repo_id_error(path)
     if error is not None:
         raise MainProcessError(f"OSError: {error}", frames=(
             (f"{SITE_PACKAGES}/sglang/launch_server.py", 84, "<module>", "run_server(server_args)"),

@@ -28,8 +28,10 @@ from .fatal import MainProcessError, SchedulerError, die_in_main, die_in_schedul
 from .faults import Faults
 from .hub import check_model_path
 from .logs import log, uvicorn_log
+from .lora import AdapterError, LoraSettings, Registry, adapter_load_s, lora_pool_gb, startup_id
 from .memory import MemoryPlan, oom_line, plan_memory, resolve_strategy, slots_per_request, startup_log_lines
 from .metrics import Metrics
+from .model_kind import ModelKind, embedding_forward_error, resolve_model_kind
 from .parallel import Layout, Rank
 from .profiles import Profile, get_profile
 from .record import Recorder
@@ -143,6 +145,7 @@ async def _serve(state: ServerState, radix: bool, faults: Faults, argv: list[str
     await asyncio.sleep(startup_s / 2)
     load_s = time.monotonic() - t0
     lines = startup_log_lines(profile, plan, load_s=load_s)
+    lines[1:1] = _lora_lines(state, plan)
     for rank in layout.ranks():
         for line, rank0_only in lines:
             if not rank0_only or rank.tp == 0:
@@ -154,7 +157,9 @@ async def _serve(state: ServerState, radix: bool, faults: Faults, argv: list[str
                        decode_log_interval=max(1, int(flags.get("decode_log_interval") or 40)),
                        time_scale=state.time_scale, max_queued=flags.get("max_queued_requests"), layout=layout,
                        page_size=int(flags.get("page_size") or 1),
-                       track_interval=int(flags.get("mamba_track_interval") or 256))
+                       track_interval=int(flags.get("mamba_track_interval") or 256),
+                       embedding=state.kind.is_embedding, prefill_max_requests=flags.get("prefill_max_requests"),
+                       lora=state.lora, lora_load_s=_load_cost(state))
     engine = Engine(cfg, faults=faults, metrics=metrics)
     if os.environ.get("SGLANG_SIM_RECORD_REQUESTS") == "1":
         engine.request_log = []
@@ -203,13 +208,57 @@ async def _serve(state: ServerState, radix: bool, faults: Faults, argv: list[str
     return 0
 
 
-def _plan(profile: Profile, flags: dict[str, Any], layout: Layout, ratio: int, faults: Faults) -> MemoryPlan:
-    plan = plan_memory(profile, flags, ratio=ratio, layout=layout)
+def _lora_lines(state: ServerState, plan: MemoryPlan) -> list[tuple[str, bool]]:
+    """What LoRAManager logs while it loads the startup adapters into CPU memory (each rank)."""
+    if state.lora is None:
+        return []
+    avail = plan.memory_before_load_gb - plan.weight_gb
+    lines = [(f"Using {state.lora_settings.backend} as backend of LoRA kernels.", False)]
+    for name, path, pinned in state.lora_settings.refs:
+        ref = f"LoRARef(lora_id={startup_id(name, path)}, lora_name={name}, lora_path={path}, pinned={pinned})"
+        lines += [(f"LoRA adapter loading starts: {ref}. avail mem={avail:.2f} GB", False),
+                  (f"LoRA adapter loading completes: {ref}. avail mem={avail:.2f} GB", False)]
+    return lines
+
+
+def _load_cost(state: ServerState) -> Any:
+    """lora_id -> model seconds of one load of that adapter into a GPU slot (lora.adapter_load_s)."""
+    reg = state.lora
+    if reg is None:
+        return None
+    costs: dict[str, float] = {}
+
+    def cost(lora_id: str) -> float:
+        if lora_id not in costs:
+            a = reg.known[lora_id]
+            costs[lora_id] = adapter_load_s(state.profile, state.layout, rank=a.rank, modules=a.modules)
+        return costs[lora_id]
+
+    return cost
+
+
+def _plan(profile: Profile, flags: dict[str, Any], layout: Layout, ratio: int, faults: Faults, kind: ModelKind,
+          lora: LoraSettings) -> tuple[MemoryPlan, Registry | None]:
+    """The scheduler's start-up after the weights: the pooler's first forward on an embedding server, the
+    LoRA adapters and their GPU pool, then the KV cache (SchedulerError where a rank dies)."""
+    if kind.is_embedding:
+        error = embedding_forward_error(profile)
+        if error is not None:
+            raise error
+    registry, lora_gb = None, 0.0
+    if lora.enabled:
+        try:
+            registry = Registry.at_startup(lora)
+        except AdapterError as e:
+            raise SchedulerError(str(e), after_load=True) from None
+        lora_gb = lora_pool_gb(profile, layout, slots=lora.max_loras_per_batch, rank=registry.rank,
+                               modules=registry.modules)
+    plan = plan_memory(profile, flags, ratio=ratio, layout=layout, lora_gb=lora_gb)
     if faults.fail_startup:
         faults.fire()
         raise SchedulerError(oom_line(gpu=layout.ranks()[0].ordinal, tried_gb=2.0, total_gb=profile.gpu_total_gb,
                                       free_gb=1.12), after_load=True)
-    return plan
+    return plan, registry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,8 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         strategy, overlap = resolve_strategy(requested, hybrid=profile.hybrid,
                                              overlap=not flags.get("disable_overlap_schedule"), legacy=version.legacy,
                                              page_size=flags.get("page_size"))
+        kind = resolve_model_kind(profile, flags)
+        lora = LoraSettings.from_flags(flags)
     except MainProcessError as e:
         return die_in_main(e)
+    for warning in lora.warnings:
+        log(warning)
     radix = not flags.get("disable_radix_cache")
     ratio = slots_per_request(strategy, overlap=overlap, radix=radix)
     log(f"server_args=ServerArgs(model_path='{flags['model_path']}', host='{flags['host']}', "
@@ -237,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         f"attn_dp_size={layout.attn_dp}, mem_fraction_static={flags.get('mem_fraction_static')}, "
         f"max_running_requests={flags.get('max_running_requests')}, "
         f"{'mamba_scheduler_strategy' if version.legacy else 'mamba_radix_cache_strategy'}='{strategy}', "
-        f"disable_overlap_schedule={not overlap}, api_key={flags.get('api_key')!r}, ...)")
+        f"disable_overlap_schedule={not overlap}, is_embedding={kind.is_embedding}, "
+        f"enable_lora={lora.enabled or None}, api_key={flags.get('api_key')!r}, ...)")
 
     visible = gpus.visible_devices()
     ranks = layout.ranks()
@@ -247,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         die_in_scheduler([(_missing_gpu(missing[0], layout, visible), missing[0].prefix(layout))])
     try:
-        plan = _plan(profile, flags, layout, ratio, faults)
+        plan, registry = _plan(profile, flags, layout, ratio, faults, kind, lora)
     except SchedulerError as e:
         if e.after_load:  # the ranks held their weights (nvidia-smi shows them) until they died
             weight_gb = min(profile.weight_gb / layout.tp / layout.pp, profile.gpu_total_gb)
@@ -257,5 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     name = flags.get("served_model_name") or flags["model_path"]
     state = ServerState(version=version.text, legacy=version.legacy, flags=flags, profile=profile, plan=plan,
                         strategy=strategy, overlap=overlap, time_scale=float(os.environ.get(
-                            "SGLANG_SIM_TIME_SCALE", "1") or 1), model_name=name, layout=layout)
+                            "SGLANG_SIM_TIME_SCALE", "1") or 1), model_name=name, layout=layout, kind=kind,
+                        lora_settings=lora, lora=registry)
     return asyncio.run(_serve(state, radix, faults, argv, layout, group))

@@ -7,7 +7,7 @@ Per GPU, for a layout of TP x PP GPUs per replica and A attention-DP ranks (atte
     weights = ((W - W_attn) / TP + W_attn / attnTP) / PP
     mf      = --mem-fraction-static | profile's value - (TP*PP - 1) / 8 GB / total  (memory_hook: reserve TP*PP/8 GB)
     slack   = memory_before_model_load * (1 - mf)
-    rest    = memory_before_model_load - weights - held - slack
+    rest    = memory_before_model_load - weights - held - lora - slack   (lora: the LoRA buffers, lora.py)
     mamba pool (per DP rank): --max-mamba-cache-size // A | radix off + --max-running-requests // A | auto-fit:
         budget = rest * r / (1 + r)   (r = --mamba-full-memory-ratio, 0.9)
         pool   = (budget - per_slot) // per_slot,   per_slot = state bytes / attnTP / PP
@@ -104,6 +104,8 @@ class MemoryPlan:
     context_len: int
     chunked_prefill_size: int
     used_gb: float  # what nvidia-smi shows on each GPU of the group while the server lives
+    max_prefill_tokens: int = 16384
+    lora_gb: float = 0.0  # the LoRA buffers, allocated before the KV cache is sized
 
     def as_internal_state(self, last_gen_throughput: float, *, world_size: int) -> dict[str, Any]:
         return {
@@ -126,8 +128,11 @@ def default_mem_fraction(profile: Profile, layout: Layout) -> float:
     return round(profile.default_mem_fraction - extra_gb / profile.gpu_total_gb, 3)
 
 
-def plan_memory(profile: Profile, flags: dict[str, Any], *, ratio: int, layout: Layout | None = None) -> MemoryPlan:
-    """Size the pools of one (dp) rank; raises SchedulerError where the real scheduler would die."""
+def plan_memory(profile: Profile, flags: dict[str, Any], *, ratio: int, layout: Layout | None = None,
+                lora_gb: float = 0.0) -> MemoryPlan:
+    """Size the pools of one (dp) rank; raises SchedulerError where the real scheduler would die.
+    `lora_gb`: what the LoRA memory pool takes on each GPU (ModelRunner allocates it after the weights
+    and before the KV configurator runs, so it comes out of the KV cache)."""
     layout = layout or Layout()
     tp, pp, attn_dp, attn_tp = layout.tp, layout.pp, layout.attn_dp, layout.attn_tp
     gpu = layout.ranks()[0].ordinal  # the first rank reports (torch names its device by ordinal)
@@ -139,11 +144,11 @@ def plan_memory(profile: Profile, flags: dict[str, Any], *, ratio: int, layout: 
         raise SchedulerError(oom_line(gpu=gpu, tried_gb=min(2.0, weight - before + 0.5),
                                       total_gb=profile.gpu_total_gb, free_gb=0.31), after_load=True)
     slack = before * (1 - mf)
-    if weight + profile.held_gb > before * 0.999 or slack < profile.activation_gb:
+    if weight + profile.held_gb + lora_gb > before * 0.999 or slack < profile.activation_gb:
         need_gb = profile.activation_gb - max(slack, 0.0)
         raise SchedulerError(oom_line(gpu=gpu, tried_gb=max(need_gb, 0.25), total_gb=profile.gpu_total_gb,
                                       free_gb=max(slack, 0.05)), after_load=True)
-    rest = before - weight - profile.held_gb - slack
+    rest = before - weight - profile.held_gb - lora_gb - slack
     not_enough = f"RuntimeError: Not enough memory. Please try to increase --mem-fraction-static. " \
                  f"Current value: mem_fraction_static={mf}"
     if rest <= 0:
@@ -192,7 +197,7 @@ def plan_memory(profile: Profile, flags: dict[str, Any], *, ratio: int, layout: 
             "(3) use GPUs with more memory.", after_load=True)
     conv = (pool + 1) * profile.mamba_conv_bytes / attn_tp / pp / GB
     ssm = (pool + 1) * profile.mamba_ssm_bytes / attn_tp / pp / GB
-    used = profile.cuda_context_gb + weight + profile.held_gb + kv_gb + mamba_gb + profile.activation_gb
+    used = profile.cuda_context_gb + weight + profile.held_gb + lora_gb + kv_gb + mamba_gb + profile.activation_gb
     chunked = int(flags.get("chunked_prefill_size") or profile.chunked_prefill_size)
     if attn_dp > 1:
         chunked //= attn_dp  # parallel_hook.handle_data_parallelism
@@ -202,6 +207,7 @@ def plan_memory(profile: Profile, flags: dict[str, Any], *, ratio: int, layout: 
         requested_per_worker=per_worker, effective_max_running=effective, capped_by_mamba=capped, kv_gb=kv_gb,
         conv_gb=conv, ssm_gb=ssm, weight_gb=weight, available_gpu_mem_gb=slack - profile.activation_gb * 0.6,
         context_len=context, chunked_prefill_size=chunked, used_gb=used,
+        max_prefill_tokens=int(flags.get("max_prefill_tokens") or 16384), lora_gb=lora_gb,
     )
 
 
@@ -231,6 +237,6 @@ def startup_log_lines(profile: Profile, plan: MemoryPlan, *, load_s: float) -> l
             f"{plan.effective_max_running} (per dp worker) due to the available KV cache capacity.", False))
     lines.append((
         f"max_total_num_tokens={plan.max_total_num_tokens}, chunked_prefill_size={plan.chunked_prefill_size}, "
-        f"max_prefill_tokens=16384, max_running_requests={plan.effective_max_running}, "
+        f"max_prefill_tokens={plan.max_prefill_tokens}, max_running_requests={plan.effective_max_running}, "
         f"context_len={plan.context_len}, available_gpu_mem={plan.available_gpu_mem_gb:.2f} GB", True))
     return lines

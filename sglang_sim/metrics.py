@@ -6,6 +6,7 @@ read on real GPUs whatever SGLANG_SIM_TIME_SCALE is.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -19,16 +20,23 @@ _LAT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1200, 
 class Histogram:
     def __init__(self, buckets: tuple[float, ...] = _LAT_BUCKETS) -> None:
         self.buckets = buckets
-        self.counts = [0] * len(buckets)
+        self._hits = [0] * (len(buckets) + 1)  # per bucket, not cumulative (one bisect per observation)
         self.sum = 0.0
         self.count = 0
 
     def observe(self, value: float) -> None:
         self.sum += value
         self.count += 1
-        for i, b in enumerate(self.buckets):
-            if value <= b:
-                self.counts[i] += 1
+        self._hits[bisect_left(self.buckets, value)] += 1
+
+    @property
+    def counts(self) -> list[int]:
+        """Cumulative counts per `le` bucket, as Prometheus reads them."""
+        out, total = [], 0
+        for hits in self._hits[:-1]:
+            total += hits
+            out.append(total)
+        return out
 
 
 class Metrics:
@@ -88,7 +96,7 @@ class Metrics:
         full = max(r.full_usage() for r in ranks)
         mamba = max(r.mamba_usage() for r in ranks)
         plan = engine.cfg.plan
-        metric("num_running_reqs", "gauge", "The number of running requests.", engine.running)
+        metric("num_running_reqs", "gauge", "The number of running requests.", engine.reported_running)
         metric("num_queue_reqs", "gauge", "The number of requests in the waiting queue.", engine.queued)
         metric("gen_throughput", "gauge", "The generation throughput (token/s).", engine.gen_throughput)
         metric("token_usage", "gauge", "The token usage (max of full and mamba on hybrids).", max(full, mamba))
@@ -100,6 +108,15 @@ class Metrics:
         metric("max_total_num_tokens", "gauge", "Maximum total number of tokens in the KV pool.",
                plan.max_total_num_tokens)
         metric("context_len", "gauge", "The context length.", plan.context_len)
+        if engine.cfg.lora is not None:  # metrics_reporter._update_lora_metrics (the base model not counted)
+            used = max(len({q.lora_id for q in r.running} - {None}) for r in ranks)
+            slots = engine.cfg.lora.settings.max_loras_per_batch
+            metric("lora_pool_slots_used", "gauge", "Number of LoRA adapter slots currently occupied in GPU memory.",
+                   used)
+            metric("lora_pool_slots_total", "gauge",
+                   "Total number of LoRA adapter slots available (max_loras_per_batch).", slots)
+            metric("lora_pool_utilization", "gauge",
+                   "LoRA pool utilization ratio (used/total). 1.0 means pool is full.", used / slots)
         metric("prompt_tokens_total", "counter", "Number of prefill tokens processed.", self.prompt_tokens)
         if self.cached_finished:  # a labelled counter appears once it has counted something
             metric("cached_tokens_total", "counter", "Number of cached prompt tokens by source (device/host/storage).",

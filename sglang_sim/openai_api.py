@@ -31,11 +31,11 @@ _PARAM_MAP = {
 }
 
 
-def _error(status: int, message: str) -> web.Response:
+def _error(status: int, message: str, kind: str | None = None) -> web.Response:
     """SGLang's OpenAI ErrorResponse. A 5xx comes from a scheduler abort (an HTTPException), whose type
     is the status itself (upstream: srt/entrypoints/openai/serving_base.py `handle_request`)."""
     kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}
-    kind = str(status) if status >= 500 else kinds.get(status, "BadRequestError")
+    kind = kind or (str(status) if status >= 500 else kinds.get(status, "BadRequestError"))
     return _json({"object": "error", "message": message, "type": kind, "param": None, "code": status}, status)
 
 
@@ -84,9 +84,16 @@ class OpenAIRoutes:
         model = body.get("model") or srv.state.model_name
         try:
             srv.check_generation_fault(prompts)
+            try:  # the adapter: `model: "<base>:<adapter>"`, else `lora_path` (OpenAIServingBase._resolve_lora_path)
+                names = srv.adapters.names(body.get("model"), body.get("lora_path"), len(prompts),
+                                          single=chat or not isinstance(body.get("prompt"), list))
+                adapters = srv.adapters.resolve(names)
+            except ValueError as e:
+                return _error(400, str(e))
             reqs = [srv.make_request(p, params, rid=f"{base}" if len(prompts) * n == 1 else f"{base}_{i}_{j}",
-                                     endpoint=endpoint, index=j, openai=True)
+                                     endpoint=endpoint, index=j, openai=True, adapter=adapters[i])
                     for i, p in enumerate(prompts) for j in range(n)]
+            srv.adapters.hold(reqs)
             if body.get("stream"):
                 return await self._stream(request, reqs, chat=chat, model=model, base=base)
             await srv.submit_and_wait(reqs)
@@ -95,6 +102,8 @@ class OpenAIRoutes:
         for r in reqs:
             if r.state == "aborted" and r.abort_status >= 500:
                 return _error(r.abort_status, r.abort_message or "aborted")
+        if srv.state.kind.is_embedding:  # the handler reads ret["text"] of an embedding output
+            return _error(500, "Internal server error: 'text'", "InternalServerError")
         choices = []
         for i, r in enumerate(reqs):
             text = " ".join(r.output_words[: r.generated])

@@ -15,6 +15,9 @@
 - `evict_tokens` frees whole unlocked leaves, least recently used first (last access of the node;
   a match refreshes the path to the node it returns, an insert every node it walks), a parent
   becoming an unlocked leaf joins the candidates; a leaf's state goes with it.
+- Namespaces: a request served with a LoRA adapter matches and inserts under that adapter's own
+  root (SGLang appends the lora_id to `Req.extra_key`), so no prefix is shared across adapters or
+  with the base model; the pool, the locks and the LRU are the tree's, whatever the namespace.
 - `evict_states` frees unlocked mamba states in their own LRU order (a match refreshes only the state
   it returns, an insert the state it stores): an unlocked leaf is deleted whole (its KV too), an inner
   node only loses its state (a tombstone: its KV stays matchable for the KV, not for a state).
@@ -32,7 +35,8 @@ _STRIDE = 64  # words compared per slice while looking for where two runs part
 
 
 class Node:
-    __slots__ = ("access", "children", "depth", "key", "lock", "parent", "state", "state_access", "state_lock")
+    __slots__ = ("access", "children", "depth", "is_root", "key", "lock", "parent", "state", "state_access",
+                 "state_lock")
 
     def __init__(self, parent: Node | None, key: list[str], depth: int) -> None:
         self.parent = parent
@@ -44,6 +48,7 @@ class Node:
         self.state = False  # holds a mamba state at `depth`
         self.state_lock = 0
         self.state_access = 0
+        self.is_root = False
 
 
 class Match(NamedTuple):
@@ -72,13 +77,34 @@ class RadixTree:
         self.flush()
 
     def flush(self) -> None:
-        self.root = Node(None, [], 0)
-        self.root.lock = 1  # never evicted
+        self.root = self._new_root()
+        # One root per namespace (a LoRA adapter: SGLang adds the lora_id to every key's extra_key, so
+        # entries of different adapters never match each other); None is the base model's.
+        self._roots: dict[str | None, Node] = {None: self.root}
         self.total = 0  # tokens held by the tree
         self.protected = 0  # ... in locked nodes
         self.states = 0  # mamba states held by the tree
         self._leaves: set[Node] = set()
+        # (access, seq, leaf) whenever a leaf's access changes or a node becomes a leaf: a heap kept across
+        # evictions (rebuilding one from every leaf per eviction costs ~1 us a leaf, and a full pool of
+        # short prompts holds tens of thousands); an entry whose leaf was touched since, deleted or grew
+        # children is stale and skipped when popped
+        self._lru: list[tuple[int, int, Node]] = []
+        self._seq = itertools.count()
         self._state_nodes: set[Node] = set()
+
+    @staticmethod
+    def _new_root() -> Node:
+        root = Node(None, [], 0)
+        root.lock = 1  # never evicted
+        root.is_root = True
+        return root
+
+    def root_of(self, ns: str | None) -> Node:
+        root = self._roots.get(ns)
+        if root is None:
+            root = self._roots[ns] = self._new_root()
+        return root
 
     @property
     def evictable(self) -> int:
@@ -99,10 +125,10 @@ class RadixTree:
         head.children[self._child_key(node.key, 0)] = node
         return head
 
-    def _walk(self, words: list[str], end: int, need_state: bool, start: Node | None = None) -> tuple[Node, Node, int]:
-        """(deepest accepted node, last node walked, KV match length) for words[:end], from the root or
+    def _walk(self, words: list[str], end: int, need_state: bool, start: Node) -> tuple[Node, Node, int]:
+        """(deepest accepted node, last node walked, KV match length) for words[:end], from a root or
         from `start`, a node whose path is words[:start.depth]."""
-        node = best = start or self.root
+        node = best = start
         off = node.depth
         while off < end:
             child = node.children.get(self._child_key(words, off))
@@ -122,10 +148,10 @@ class RadixTree:
                 break
         return best, node, off
 
-    def match(self, words: list[str], limit: int, *, need_state: bool = False) -> Match:
+    def match(self, words: list[str], limit: int, *, need_state: bool = False, ns: str | None = None) -> Match:
         end = min(len(words), limit)
         end -= end % self.page
-        best, _, full = self._walk(words, end, need_state)
+        best, _, full = self._walk(words, end, need_state, self.root_of(ns))
         now = next(self._clock)
         n: Node | None = best
         while n is not None:
@@ -133,15 +159,21 @@ class RadixTree:
             n = n.parent
         if best.state:
             best.state_access = now
+        if not best.children and not best.is_root:
+            self._push_leaf(best)
         return Match(best, best.depth, full)
 
-    def insert(self, words: list[str], length: int, *, state: bool = False, start: Node | None = None) -> Node:
-        """Make words[:length] (cut to pages) a path of the tree; a state at its end when asked.
+    def _push_leaf(self, leaf: Node) -> None:
+        heapq.heappush(self._lru, (leaf.access, next(self._seq), leaf))
+
+    def insert(self, words: list[str], length: int, *, state: bool = False, start: Node | None = None,
+               ns: str | None = None) -> Node:
+        """Make words[:length] (cut to pages) a path of namespace `ns`; a state at its end when asked.
         Returns the node ending at that length (the root for 0). `start`: a node on that path (a
         request's locked node, whose path is its first words), to walk from instead of the root."""
         length -= length % self.page
-        if start is not None and (start.depth > length or (start.parent is None and start is not self.root)):
-            start = None
+        if start is None or start.depth > length or (start.parent is None and not start.is_root):
+            start = self.root_of(ns)
         _, node, off = self._walk(words, length, False, start)
         now = next(self._clock)
         n: Node | None = node
@@ -151,13 +183,15 @@ class RadixTree:
         if off < length:
             leaf = Node(node, words[off:length], length)
             leaf.access = now
-            if node is not self.root and not node.children:
+            if not node.is_root and not node.children:
                 self._leaves.discard(node)
             node.children[self._child_key(leaf.key, 0)] = leaf
             self._leaves.add(leaf)
             self.total += length - off
             node = leaf
-        if state and node is not self.root:
+        if not node.children and not node.is_root:
+            self._push_leaf(node)
+        if state and not node.is_root:
             if not node.state:
                 node.state = True
                 self.states += 1
@@ -167,22 +201,22 @@ class RadixTree:
 
     # ---- locks -----------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
-        if node is self.root:
+        if node.is_root:
             return
         node.state_lock += 1
         n: Node | None = node
-        while n is not None and n is not self.root:
+        while n is not None and not n.is_root:
             if n.lock == 0:
                 self.protected += len(n.key)
             n.lock += 1
             n = n.parent
 
     def unlock(self, node: Node) -> None:
-        if node is self.root:
+        if node.is_root:
             return
         node.state_lock -= 1
         n: Node | None = node
-        while n is not None and n is not self.root:
+        while n is not None and not n.is_root:
             n.lock -= 1
             if n.lock == 0:
                 self.protected -= len(n.key)
@@ -191,7 +225,7 @@ class RadixTree:
     def unlocked_len(self, node: Node) -> int:
         """Tokens on the path to `node` that a lock on it would move from evictable to protected."""
         total, n = 0, node
-        while n is not self.root and n.lock == 0:
+        while not n.is_root and n.lock == 0:
             total += len(n.key)
             n = n.parent  # type: ignore[assignment]
         return total
@@ -208,25 +242,32 @@ class RadixTree:
             leaf.state = False
             self.states -= 1
             self._state_nodes.discard(leaf)
-        if parent is not self.root and not parent.children:
+        if not parent.is_root and not parent.children:
             self._leaves.add(parent)
+            self._push_leaf(parent)
 
     def evict_tokens(self, n: int) -> int:
         """Free at least n tokens (whole leaves, LRU first) if the unlocked part holds them; returns freed."""
         freed = 0
         if n <= 0:
             return 0
-        heap = [(leaf.access, id(leaf), leaf) for leaf in self._leaves if leaf.lock == 0]
-        heapq.heapify(heap)
+        heap = self._lru
+        if len(heap) > 4 * len(self._leaves) + 1024:  # mostly stale entries: rebuild from the leaves
+            heap[:] = [(leaf.access, next(self._seq), leaf) for leaf in self._leaves]
+            heapq.heapify(heap)
+        locked = []
         while freed < n and heap:
-            _, _, leaf = heapq.heappop(heap)
-            if leaf.children or leaf.lock or leaf.parent is None:
+            entry = heapq.heappop(heap)
+            access, _, leaf = entry
+            if leaf.access != access or leaf.children or leaf.parent is None:
+                continue  # stale: touched since, grew children or deleted
+            if leaf.lock:
+                locked.append(entry)  # not evictable now; it keeps its place for later
                 continue
-            parent = leaf.parent
             freed += len(leaf.key)
-            self._delete_leaf(leaf)
-            if parent is not self.root and not parent.children and parent.lock == 0:
-                heapq.heappush(heap, (parent.access, id(parent), parent))
+            self._delete_leaf(leaf)  # a parent left without children joins the heap
+        for entry in locked:
+            heapq.heappush(heap, entry)
         return freed
 
     def evict_states(self, n: int) -> int:

@@ -24,6 +24,7 @@ move); `components/mamba.py` `prepare_for_caching_req`, `_select_finished_checkp
   last one reached after the prefill is inserted (prompt and output up to it), else nothing. Lazy
   keeps that decode checkpoint only if a mamba slot was free (it never evicts for it).
 - Retraction and abort insert nothing (`release_kv_cache(checkpoint=False)`).
+- Each LoRA adapter has its own namespace of the tree (`Req.extra_key` holds the lora_id).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class RequestCache:
         if not self.cfg.enabled:
             return 0, 0
         words = self._fill(req)
-        m = self.tree.match(words, len(words) - 1, need_state=self.states)
+        m = self.tree.match(words, len(words) - 1, need_state=self.states, ns=req.adapter)
         moved = self.tree.unlocked_len(m.node)
         self.tree.lock(m.node)
         req.cache_node, req.cache_len, req.prefix_len = m.node, m.length, m.length
@@ -93,7 +94,7 @@ class RequestCache:
 
     def _move_lock(self, req: Request, words: list[str], length: int, *, state: bool) -> None:
         # the request's locked node ends its first cache_len words: the walk starts there
-        node = self.tree.insert(words, length, state=state, start=req.cache_node)
+        node = self.tree.insert(words, length, state=state, start=req.cache_node, ns=req.adapter)
         self.tree.lock(node)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
@@ -138,7 +139,7 @@ class RequestCache:
                 if 0 < prompt < owned // self.cfg.page * self.cfg.page and req.prefill_end != len(req.prompt_words):
                     # a node boundary at the prompt's end (the end-of-prefill insert made it already
                     # unless the request was re-admitted with output)
-                    self.tree.insert(req.prompt_words, prompt)
+                    self.tree.insert(req.prompt_words, prompt, ns=req.adapter)
             elif not self.extra:
                 self._move_lock(req, words, owned, state=True)
             else:

@@ -80,7 +80,19 @@ class Recorder:
             "first_admit_wall": e.first_admit_wall if e else None,
             "last_finish_wall": e.last_finish_wall if e else None,
             **({"requests": e.request_log} if e and e.request_log is not None else {}),
+            **({"lora": self._lora(e)} if e and e.cfg.lora is not None else {}),
         }
+
+    @staticmethod
+    def _lora(e: Engine) -> dict[str, Any]:
+        """Adapter loads into the GPU pools: per name, in all, and [model s, dp rank, loaded, evicted] per
+        load (the latest MAX_SWITCHES); the most distinct adapters (the base counting) a rank's forward
+        ran with; implicit reloads of evicted or unloaded adapters; the names registered now."""
+        reg = e.cfg.lora
+        assert reg is not None
+        return {"loads": dict(e.lora_loads), "loads_total": sum(e.lora_loads.values()), "switches": e.lora_switches,
+                "peak_adapters_in_batch": e.peak_adapters, "reloads": reg.reloads, "registered": list(reg.registry),
+                "max_loras_per_batch": reg.settings.max_loras_per_batch}
 
     def on_tick(self) -> None:
         e = self.engine

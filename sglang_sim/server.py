@@ -15,8 +15,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from .engine import Engine, QueueFullError, Request
+from .embedding import embedding_json
+from .engine import Engine, QueueFullError, Request, embedding_request
+from .info import model_cards, model_info, server_info
+from .lora import Adapter, LoraSettings, Registry
+from .lora_api import RequestAdapters
 from .memory import MemoryPlan
+from .model_kind import ModelKind
 from .parallel import Layout
 from .profiles import Profile
 from .record import Recorder
@@ -50,6 +55,9 @@ class ServerState:
     time_scale: float
     model_name: str
     layout: Layout = field(default_factory=Layout)
+    kind: ModelKind = field(default_factory=ModelKind)
+    lora_settings: LoraSettings = field(default_factory=lambda: LoraSettings(enabled=False))
+    lora: Registry | None = None  # LoRA on: the adapters
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -73,6 +81,7 @@ SICK_MESSAGE = "Internal server error: the scheduler failed this request (SGLANG
 class SimServer:
     def __init__(self, state: ServerState, engine: Engine, recorder: Recorder) -> None:
         self.state, self.engine, self.recorder = state, engine, recorder
+        self.adapters = RequestAdapters(state)  # the LoRA adapters requests name
         self.ready = False
         self.created = int(time.time())
 
@@ -92,15 +101,25 @@ class SimServer:
             )
 
     def make_request(self, prompt: str, params: dict[str, Any], *, rid: str, endpoint: str,
-                     index: int = 0, internal: bool = False, openai: bool = False) -> Request:
+                     index: int = 0, internal: bool = False, openai: bool = False,
+                     adapter: Adapter | None = None) -> Request:
         words = prompt.split()
         max_new = params.get("max_new_tokens")
         self.validate_length(max(1, len(words)), max_new, openai=openai)
+        name = adapter.name if adapter else None
+        lora_id = adapter.lora_id if adapter else None
+        if self.state.kind.is_embedding:
+            # no guard in 0.5.23: the request is prefilled through the pooler; one that would decode
+            # kills the scheduler at its first decode step (engine.py); max_new_tokens <= 1 finishes
+            decodes = (128 if max_new is None else int(max_new)) > 1
+            return Request(rid=rid, prompt_words=words, output_words=[], finish_reason="length", matched_stop=None,
+                           endpoint=endpoint, internal=internal, adapter=name, lora_id=lora_id, embedding=True,
+                           crash_on_decode=decodes)
         if max_new is None:  # "until EOS or the context is full"
             params = {**params, "max_new_tokens": self.state.plan.context_len - count_tokens(prompt)}
-        out, finish, matched = generate(prompt, params, index=index)
+        out, finish, matched = generate(prompt, params, index=index, adapter=name)
         return Request(rid=rid, prompt_words=words, output_words=out, finish_reason=finish,
-                       matched_stop=matched, endpoint=endpoint, internal=internal)
+                       matched_stop=matched, endpoint=endpoint, internal=internal, adapter=name, lora_id=lora_id)
 
     async def submit_and_wait(self, reqs: list[Request]) -> None:
         """Queue the requests and wait; a client that goes away aborts them (handler cancellation).
@@ -155,6 +174,8 @@ class SimServer:
         }
 
     def native_output(self, r: Request) -> dict[str, Any]:
+        if r.embedding:  # a generation request an embedding server finished in its prefill
+            return _embedding_output(self, r)
         words = r.output_words[: r.generated]
         return {"text": " ".join(words), "output_ids": token_ids(words), "meta_info": self.meta_info(r)}
 
@@ -178,6 +199,11 @@ class SimServer:
         self.recorder.count_request("/generate")
         try:
             self.check_generation_fault(prompts)
+            try:
+                names = self.adapters.names(None, body.get("lora_path"), len(prompts), single=not batch)
+                adapters = self.adapters.resolve(names)
+            except ValueError as e:
+                raise RequestError(400, str(e)) from None
             reqs = []
             for i, prompt in enumerate(prompts):
                 for j in range(n):
@@ -185,7 +211,9 @@ class SimServer:
                         base = rid[i]
                     else:
                         base = rid if (rid and not batch and n == 1) else f"{rid or uuid.uuid4().hex}_{i}_{j}"
-                    reqs.append(self.make_request(prompt, params, rid=base, endpoint="/generate", index=j))
+                    reqs.append(self.make_request(prompt, params, rid=base, endpoint="/generate", index=j,
+                                                  adapter=adapters[i]))
+            self.adapters.hold(reqs)
             if body.get("stream"):
                 return await self._stream_native(request, reqs)
             await self.submit_and_wait(reqs)
@@ -235,12 +263,17 @@ class SimServer:
             # What a route whose handler raises answers in SGLang's FastAPI app (Starlette's default).
             self.engine.faults.sick_answers += 1
             return web.Response(status=500, text="Internal Server Error")
-        req = self.make_request("health", {"max_new_tokens": 1, "ignore_eos": True},
-                                rid=f"HEALTH_CHECK_{uuid.uuid4().hex[:8]}", endpoint="health", internal=True)
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex[:8]}"
+        if self.state.kind.is_embedding:  # an EmbeddingReqInput of input_ids [0] on an embedding server
+            req = embedding_request(["0"], rid=rid, endpoint="health", internal=True)
+        else:
+            req = self.make_request("health", {"max_new_tokens": 1, "ignore_eos": True}, rid=rid,
+                                    endpoint="health", internal=True)
         # As SGLang does: any output of the scheduler after the check began proves it healthy (a full
         # server queues the probe behind its running requests; it is not hung for that). 503 only when
         # nothing at all came out for HEALTH_CHECK_TIMEOUT (20 s).
-        progress = self.engine.metrics.generation_tokens
+        metrics = self.engine.metrics
+        progress = metrics.generation_tokens + metrics.requests
         self.engine.submit(req)
         timeout = max(1.0, 20.0 / self.state.time_scale)
         deadline = asyncio.get_running_loop().time() + timeout
@@ -253,57 +286,21 @@ class SimServer:
                 await asyncio.wait_for(req.done.wait(), min(left, max(0.05, 1.0 / self.state.time_scale)))
                 return web.Response(status=200 if req.state == "finished" else 503)
             except TimeoutError:
-                if self.engine.metrics.generation_tokens > progress:
+                if metrics.generation_tokens + metrics.requests > progress:
                     self.engine.finish_abort(req, "health check answered by progress")
                     return web.Response(status=200)
 
     async def ready_route(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.ready else 503)
 
-    def server_info(self) -> dict[str, Any]:
-        st, plan = self.state, self.state.plan
-        info = dict(st.flags)
-        info[("mamba_scheduler_strategy" if st.legacy else "mamba_radix_cache_strategy")] = st.strategy
-        info.update(
-            mem_fraction_static=plan.mem_fraction_static, disable_overlap_schedule=not st.overlap,
-            served_model_name=st.model_name, context_length=st.flags.get("context_length"),
-            status="ready" if self.ready else "starting", max_total_num_tokens=plan.max_total_num_tokens,
-            max_req_input_len=plan.context_len - 5, version=st.version,
-            chunked_prefill_size=plan.chunked_prefill_size,
-        )
-        if not st.legacy:
-            # resolved values: `--dp-size N --enable-dp-attention` reads back as attn_dp_size=N, dp_size=1
-            info.update(tp_size=st.layout.tp, pp_size=st.layout.pp, dp_size=st.layout.dp,
-                        attn_dp_size=st.layout.attn_dp, enable_dp_attention=st.layout.attn_dp > 1)
-        states = []
-        for rank in self.engine.ranks:
-            s = plan.as_internal_state(rank.gen_throughput, world_size=st.layout.world_size)
-            if st.legacy:
-                s.pop("effective_max_running_requests_per_dp")
-            states.append(s)
-        info["internal_states"] = states
-        return info
-
     async def server_info_route(self, request: web.Request) -> web.Response:
-        return _json(self.server_info())
-
-    def model_info(self) -> dict[str, Any]:
-        p = self.state.profile
-        return {
-            "model_path": self.state.flags["model_path"], "tokenizer_path": self.state.flags.get("tokenizer_path")
-            or self.state.flags["model_path"], "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": "default", "has_image_understanding": False, "has_audio_understanding": False,
-            "model_type": "qwen3_next" if p.hybrid else "llama", "architectures": [p.architecture],
-        }
+        return _json(server_info(self))
 
     async def model_info_route(self, request: web.Request) -> web.Response:
-        return _json(self.model_info())
+        return _json(model_info(self.state))
 
     async def models(self, request: web.Request) -> web.Response:
-        name = self.state.model_name
-        return _json({"object": "list", "data": [{
-            "id": name, "object": "model", "created": self.created, "owned_by": "sglang", "root": name,
-            "parent": None, "max_model_len": self.state.plan.context_len}]})
+        return _json(model_cards(self.state, self.created))
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = self.engine.metrics.render(self.engine, self.state.model_name)
@@ -332,6 +329,8 @@ class SimServer:
 
     # ---- app ----------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
+        from .embed_api import EmbeddingRoutes
+        from .lora_api import LoraRoutes
         from .openai_api import OpenAIRoutes
 
         api_key = self.state.flags.get("api_key")
@@ -360,6 +359,12 @@ class SimServer:
         r.add_post("/generate", self.generate)
         r.add_post("/v1/completions", oa.completions)
         r.add_post("/v1/chat/completions", oa.chat_completions)
+        embed, lora = EmbeddingRoutes(self), LoraRoutes(self)
+        r.add_post("/v1/embeddings", embed.v1_embeddings)
+        r.add_post("/encode", embed.encode)
+        r.add_put("/encode", embed.encode)
+        r.add_post("/load_lora_adapter", lora.load)
+        r.add_post("/unload_lora_adapter", lora.unload)
         if self.state.flags.get("enable_metrics"):
             r.add_get("/metrics", self.metrics)
         r.add_post("/abort_request", self.abort_request)
@@ -367,6 +372,15 @@ class SimServer:
         r.add_post("/freeze_gc", self.freeze_gc)
         r.add_get("/sim/observed", self.observed)
         return app
+
+
+def _embedding_output(server: SimServer, r: Request) -> dict[str, Any]:
+    """`{"embedding", "meta_info"}`, as the tokenizer manager returns an embedding request's output."""
+    meta = {"id": r.rid, "finish_reason": server.finish_reason(r) if r.state == "aborted" else
+            {"type": "length", "length": 0}, "prompt_tokens": r.prompt_tokens, "weight_version": "default",
+            "num_retractions": r.retractions, "e2e_latency": server.meta_info(r)["e2e_latency"]}
+    vector = embedding_json(r.prompt_words, server.state.kind.hidden_size, r.adapter)
+    return {"embedding": orjson.Fragment(vector), "meta_info": meta}
 
 
 async def wait_any(events: list[asyncio.Event]) -> None:

@@ -10,6 +10,7 @@ Rules (tests recompute them through the public functions here):
   if it is <= max_new_tokens the request finishes with "stop" (EOS), else with "length" after
   max_new_tokens words. `ignore_eos` always runs to max_new_tokens; `min_new_tokens` lengthens.
 - `stop` strings: the text is cut before the first occurrence of any of them ("stop", matched).
+- A LoRA adapter changes the output: its name joins the seed (the base model's seed is unchanged).
 """
 
 from __future__ import annotations
@@ -58,19 +59,22 @@ def render_chat(messages: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def _rng(prompt: str, params: dict[str, Any], index: int) -> random.Random:
+def _rng(prompt: str, params: dict[str, Any], index: int, adapter: str | None) -> random.Random:
     key = {k: params.get(k) for k in _SEED_KEYS if params.get(k) is not None}
     blob = prompt + "\x00" + json.dumps(key, sort_keys=True, default=str) + f"\x00{index}"
+    if adapter is not None:
+        blob += f"\x00lora:{adapter}"
     return random.Random(int.from_bytes(hashlib.sha256(blob.encode()).digest()[:8], "big"))
 
 
-def generate(prompt: str, sampling_params: dict[str, Any], *, index: int = 0,
-             default_max_new_tokens: int = 128) -> tuple[list[str], str, str | None]:
-    """(output words, finish_reason "stop"|"length", matched stop string or None)."""
+def generate(prompt: str, sampling_params: dict[str, Any], *, index: int = 0, default_max_new_tokens: int = 128,
+             adapter: str | None = None) -> tuple[list[str], str, str | None]:
+    """(output words, finish_reason "stop"|"length", matched stop string or None); `adapter` the LoRA
+    adapter's name (None: the base model)."""
     p = sampling_params or {}
     max_new = p.get("max_new_tokens")
     max_new = default_max_new_tokens if max_new is None else int(max_new)
-    rng = _rng(prompt, p, index)
+    rng = _rng(prompt, p, index, adapter)
     natural = 4 + int(-EOS_MEAN_WORDS * math.log(1.0 - rng.random()))
     natural = max(natural, int(p.get("min_new_tokens") or 0))
     if p.get("ignore_eos"):
@@ -93,13 +97,14 @@ def generate(prompt: str, sampling_params: dict[str, Any], *, index: int = 0,
 
 
 def expected_completion(prompt: str, sampling_params: dict[str, Any] | None = None, *,
-                        index: int = 0) -> tuple[str, int, str]:
+                        index: int = 0, adapter: str | None = None) -> tuple[str, int, str]:
     """(text, completion_tokens, finish_reason) the simulator returns for this prompt and params.
 
     Same rule on /generate, /v1/completions and /v1/chat/completions (chat: prompt=render_chat(messages),
-    max_new_tokens = max_tokens). `index` is the choice number when n > 1.
+    max_new_tokens = max_tokens). `index` is the choice number when n > 1; `adapter` the LoRA adapter
+    the request ran on (its name; None for the base model).
     """
-    words, finish, _ = generate(prompt, sampling_params or {}, index=index)
+    words, finish, _ = generate(prompt, sampling_params or {}, index=index, adapter=adapter)
     return " ".join(words), len(words), finish
 
 

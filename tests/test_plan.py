@@ -199,3 +199,12 @@ def test_of_the_prompts_one_claim_brings_each_units_first_goes_out_first() -> No
     assert [c.jid for c in leaders_first(claims)] == ["j0", "j3", "j5", "j6", "j1", "j4", "j2"]
     plain = [Claim(f"p{i}", "gpu0", b"") for i in range(3)]
     assert leaders_first(plain) == plain  # no plan: the claim's own order
+
+
+def test_a_units_later_prompts_follow_close_behind_its_first_in_blocks() -> None:
+    from worker.dispatcher import LEADERS_BLOCK_BYTES, leaders_first
+    from worker.ledger import Claim
+
+    big = b"x" * (LEADERS_BLOCK_BYTES // 2 + 1)  # two units' firsts fill a block
+    claims = [Claim(f"{g}{k}", "gpu0", big, grp=g.encode()) for g in "ABC" for k in range(2)]
+    assert [c.jid for c in leaders_first(claims)] == ["A0", "B0", "A1", "B1", "C0", "C1"]

@@ -68,6 +68,9 @@ CLAIM_GATHER_S = 0.02
 # fills its free slots (capacity + surplus). A death while a group runs sends its members to run alone
 # (two strikes): the group's size is what such a death costs, and what the struck prompts gain in pace.
 SUSPECT_GROUP_MAX = 8
+# `leaders_first`: the first prompts of a block of units, about 4 prefill batches (SGLang's default
+# --max-prefill-tokens is 16,384 tokens; ~4 bytes a token).
+LEADERS_BLOCK_BYTES = 256 * 1024
 
 
 class Dispatcher:
@@ -130,6 +133,7 @@ class Dispatcher:
                 continue
             if len(claims) < took:
                 slots.release(took - len(claims))
+            self.limit.claimed([len(c.data) for c in claims])
             for claim in leaders_first(claims):
                 self._start(claim)
             if claims:
@@ -214,20 +218,35 @@ class Dispatcher:
 
 
 def leaders_first(claims: list[Claim]) -> list[Claim]:
-    """The claims in the order their requests go out: of each plan unit the first, then each unit's
-    second, and so on. A server matches a request against its radix cache when it schedules its prefill,
-    and requests prefilled in one batch do not see each other's prefix: sent one after the other, a
-    unit's prompts would share the prefill batch of their first and all compute the shared prefix."""
+    """The claims in the order their requests go out: units taken in blocks (in the claim's order, a
+    block closing once its units' first prompts hold LEADERS_BLOCK_BYTES), and within a block each
+    unit's first, then each unit's second, and so on. A server matches a request against its radix
+    cache when it schedules its prefill, and requests prefilled in one batch do not see each other's
+    prefix: sent one after the other, a unit's prompts would share the prefill batch of their first and
+    all compute the shared prefix. Blocks keep a unit's later prompts close behind its first: a server
+    that queues hundreds of requests (its KV pool holds fewer than it has slots for) would otherwise
+    take every unit's first before any second, and evict the first prefixes before their seconds
+    come."""
     if len(claims) < 2 or not any(c.grp for c in claims):
         return claims
+    block_of: dict[bytes, int] = {}
     seen: dict[bytes, int] = {}
+    block, filled = 0, 0
     rank = []
     for i, c in enumerate(claims):
-        k = seen.get(c.grp, 0) if c.grp else 0
-        if c.grp:
-            seen[c.grp] = k + 1
-        rank.append((k, i))
-    return [claims[i] for _, i in sorted(rank)]
+        if not c.grp:
+            rank.append((block, 0, i))
+            continue
+        b = block_of.get(c.grp)
+        if b is None:
+            if filled >= LEADERS_BLOCK_BYTES:
+                block, filled = block + 1, 0
+            b = block_of[c.grp] = block
+            filled += len(c.data)
+        k = seen.get(c.grp, 0)
+        seen[c.grp] = k + 1
+        rank.append((b, k, i))
+    return [claims[i] for *_, i in sorted(rank)]
 
 
 def _checked(mode: Mode) -> bool:

@@ -155,7 +155,9 @@ class ServerKeeper:
         self.dispatcher.judge.breaker.reset()
         self.start_s = round(time.monotonic() - launched, 2)
         await self._open_http(capacity)
-        self.dispatcher.limit.set_capacity(capacity, max_in_flight=self.config.max_in_flight)
+        facts = self.server.facts
+        self.dispatcher.limit.set_capacity(capacity, max_in_flight=self.config.max_in_flight,
+                                           kv_tokens=facts.max_total_num_tokens if facts else None)
         self.dispatcher.gate.resume()
         # The event first: whoever sees the status serve the new generation finds its "restarted" event.
         if self._restarting is not None:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 
-__all__ = ["InFlightLimit", "Slots", "Turnover", "surplus_cap"]
+__all__ = ["InFlightLimit", "KvBound", "Slots", "Turnover", "surplus_cap"]
 
 log = logging.getLogger("batchfleet.worker.dispatcher")
 
@@ -209,9 +209,45 @@ class Turnover:
         return max(1, min(cap, most + 1))
 
 
+class KvBound:
+    """What the server's KV pool holds, in prompts of the size this worker claims: a server runs as many
+    requests at once as its `--max-running-requests` AND its KV pool allow, and its reported capacity
+    is only the first (a token estimate for short requests). Long prompts fill the pool long before:
+    2048 slots of a dense 8B server on an 80 GB card, 413,712 tokens of KV, run ~118 prompts of 3.5K
+    tokens at once. Past that the rest waits in the server's queue, taken from the queues of servers
+    that would have run them (a worker whose own queue is dry steals).
+
+    `prompts()`: KV_OVERCOMMIT x the pool over the mean prompt claimed (bytes / BYTES_PER_TOKEN, an
+    estimate: a shared prefix is counted whole, decode is left to the overcommit); None while the pool
+    or the prompts' size is unknown. Before the first claim the worker claims at most PROBE prompts."""
+
+    KV_OVERCOMMIT = 2.0  # what runs (1x) and as much waiting in the server's queue
+    BYTES_PER_TOKEN = 4
+    PROBE = 64
+
+    def __init__(self) -> None:
+        self.kv_tokens: int | None = None
+        self.mean_tokens: float | None = None
+
+    def claimed(self, sizes: list[int]) -> None:
+        """Claimed prompts of these sizes (bytes of their job data)."""
+        if not sizes:
+            return
+        mean = sum(sizes) / len(sizes) / self.BYTES_PER_TOKEN
+        self.mean_tokens = mean if self.mean_tokens is None else 0.8 * self.mean_tokens + 0.2 * mean
+
+    def prompts(self) -> int | None:
+        if not self.kv_tokens:
+            return None
+        if self.mean_tokens is None:
+            return self.PROBE
+        return max(1, int(self.KV_OVERCOMMIT * self.kv_tokens / max(self.mean_tokens, 1.0)))
+
+
 class InFlightLimit:
     """How many prompts the worker keeps in its server: `capacity` (what the server runs at once) +
-    `surplus` (kept waiting in its queue on purpose), as a semaphore (`slots`)."""
+    `surplus` (kept waiting in its queue on purpose), as a semaphore (`slots`); never more than its
+    KV pool holds (`KvBound`)."""
 
     RESIZE_EVERY_S = 0.5
 
@@ -219,36 +255,52 @@ class InFlightLimit:
         self.configured_surplus = configured_surplus  # None: sized from the turnover; 0: none
         self.slots = Slots(0)
         self.turnover = Turnover()
+        self.kv = KvBound()
         self.capacity = 0
         self.surplus = 0
         self.surplus_max = 0
         self.auto = False  # the surplus follows the turnover
         self._checked = 0.0
 
-    def set_capacity(self, capacity: int, *, max_in_flight: int | None = None) -> None:
+    def set_capacity(self, capacity: int, *, max_in_flight: int | None = None, kv_tokens: int | None = None) -> None:
         """For a server that runs `capacity` requests at once: capacity + surplus; or `max_in_flight`
         alone when the configuration caps below the server (its slots are not all used anyway, so a
-        surplus would only raise the cap)."""
+        surplus would only raise the cap). `kv_tokens`: its KV pool (None: unknown)."""
         base = min(capacity, max_in_flight or capacity)
         self.capacity = base
+        self.kv.kv_tokens = kv_tokens
         if base < capacity or self.configured_surplus == 0:
             self.auto, self.surplus_max = False, 0
         else:
             self.auto = self.configured_surplus is None
             self.surplus_max = surplus_cap(base, self.configured_surplus)
         self.surplus = self.turnover.surplus(time.monotonic(), self.surplus_max) if self.auto else self.surplus_max
-        self.slots.set_limit(base + self.surplus)
+        self._apply()
+
+    def claimed(self, sizes: list[int]) -> None:
+        """A claim brought prompts of these sizes (bytes): the KV bound follows their mean."""
+        before = self.kv.mean_tokens
+        self.kv.claimed(sizes)
+        if before is None and self.kv.mean_tokens is not None:
+            self._apply()  # the probe is over: the bound of the prompts' real size, at once
+
+    def _apply(self) -> None:
+        limit = self.capacity + self.surplus
+        bound = self.kv.prompts()
+        self.slots.set_limit(limit if bound is None else max(1, min(limit, bound)))
 
     def follow_turnover(self, now: float) -> None:
-        """Resize the surplus to the turnover measured lately (at most every RESIZE_EVERY_S)."""
-        if not self.auto or now - self._checked <= self.RESIZE_EVERY_S:
+        """Resize the surplus to the turnover measured lately, and the KV bound to the prompts claimed
+        lately (at most every RESIZE_EVERY_S)."""
+        if now - self._checked <= self.RESIZE_EVERY_S:
             return
         self._checked = now
-        surplus = self.turnover.surplus(now, self.surplus_max)
-        if surplus != self.surplus:
-            log.debug("surplus %d -> %d (refill %.1f ms)", self.surplus, surplus, self.turnover.refill_s * 1e3)
-            self.surplus = surplus
-            self.slots.set_limit(self.capacity + surplus)
+        if self.auto:
+            surplus = self.turnover.surplus(now, self.surplus_max)
+            if surplus != self.surplus:
+                log.debug("surplus %d -> %d (refill %.1f ms)", self.surplus, surplus, self.turnover.refill_s * 1e3)
+                self.surplus = surplus
+        self._apply()
 
     @property
     def beyond_capacity(self) -> int:

@@ -2,7 +2,7 @@
 RQ's `Queue.enqueue_many` measured in the same run.
 
     .venv/bin/python bench/bench_enqueue.py [--n 1000000] [--baseline-n 200000] [--layout-n 50000] [--against DIR]
-                                            [--only store|layout|against]
+                                            [--only store|layout|against|plan]
 
 1. store: N short generated prompts, `producer enqueue FILE` as a subprocess against a private
    redis-server, with `producer head` running beside it (it feeds each queue's window as the store
@@ -15,7 +15,9 @@ RQ's `Queue.enqueue_many` measured in the same run.
    c7aa53c`; repeatable), `producer enqueue` of the same file from this tree and from each DIR (its
    code on PYTHONPATH, this venv), `--ab-repeat` times each, interleaved, without a head, each into a
    fresh store: the median and the range of each, and this tree's ratio to each.
-2. layout: `layout-n` prompts of `words` random words each, all queued (a window as big as the run),
+2. plan: the same file enqueued with the plan and with --no-plan (short prompts, and N/5 few-shot
+   prompts of ~1.6 KB that the plan keys at several anchors), interleaved, and the plan's sorted pass.
+3. layout: `layout-n` prompts of `words` random words each, all queued (a window as big as the run),
    Redis bytes per queued prompt beyond its text: our job layout vs enqueue_many's. Best of `repeat`.
 """
 
@@ -183,15 +185,15 @@ def bench_store(a: argparse.Namespace, work: Path) -> None:
     sys.stdout.flush()
 
 
-def enqueue_from(tree: Path, path: Path, url: str, state: Path, run: str) -> tuple[float, float]:
+def enqueue_from(tree: Path, path: Path, url: str, state: Path, run: str, *extra: str) -> tuple[float, float]:
     """`producer enqueue` of `path` with the code of `tree` (on PYTHONPATH): its own prompts/s figure, and
-    the CPU seconds of the whole process (user + system, start-up included)."""
+    the CPU seconds of the whole process (user + system, start-up included). `extra`: more arguments."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHFLEET_")}
     env["PYTHONPATH"] = str(tree)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, "-c", "import sys; from producer.cli import main; sys.exit(main())",
                            "--redis-url", url, "--run", run, "--state-dir", str(state), "enqueue", str(path),
-                           "--queues", f"{run}.gpu0", "--no-progress"],
+                           "--queues", f"{run}.gpu0", "--no-progress", *extra],
                           env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
     m = re.search(r"lines in \S+ s \(([\d,]+)/s\)", done.stdout + done.stderr)
     if done.returncode != 0 or m is None:
@@ -232,6 +234,74 @@ def bench_against(a: argparse.Namespace, work: Path) -> None:
         print(f"  {'':<24}   {med_cpu[tree]:>10.2f} us CPU a prompt ({min(cpu[tree]):.2f}-{max(cpu[tree]):.2f})"
               + ("" if tree == here else f"   this tree / it: {med_cpu[here] / med_cpu[tree]:.3f}x "
                                          f"(per run: {cpu_pairs})"))
+    sys.stdout.flush()
+
+
+def fewshot_prompts(path: Path, n: int) -> None:
+    """`n` prompts of ~1.6 KB: one of 20 few-shot templates (~1.5 KB) and a short question."""
+    rng = random.Random(11)
+    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(5000)]
+    templates = [" ".join(rng.choices(vocab, k=250)) for _ in range(20)]
+    with path.open("wb", buffering=1 << 20) as fh:
+        for i in range(n):
+            text = f"{templates[rng.randrange(20)]}\nQ: {' '.join(rng.choices(vocab, k=8))}\nA:"
+            fh.write(orjson.dumps({"id": f"f{i:08d}", "prompt": text, "max_tokens": 64}) + b"\n")
+
+
+_REBUILD = """
+import resource, sys, time
+from pathlib import Path
+from producer.store import Store
+store = Store.open(Path(sys.argv[1]), run=sys.argv[2])
+t0 = time.perf_counter()
+with store.write():
+    n = store.plan.rebuild()
+dt = time.perf_counter() - t0
+print(n, dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def bench_plan(a: argparse.Namespace, work: Path) -> None:
+    """What the plan adds to an enqueue: the same file enqueued with the plan and with --no-plan, interleaved
+    (`producer enqueue` computes each prompt's plan key), and the head's one sorted pass that orders the
+    plan (`Plan.rebuild`, in a process of its own: its time and peak RSS)."""
+    here = Path(__file__).resolve().parents[1]
+    files = {"short": (work / "short.jsonl", a.n), "fewshot": (work / "fewshot.jsonl", max(1, a.n // 5))}
+    for name, (path, n) in files.items():
+        if not path.exists():
+            (short_prompts if name == "short" else fewshot_prompts)(path, n)
+    print(f"the plan at enqueue, {a.ab_repeat} runs of each, interleaved (no head): median (range); CPU of the whole "
+          "process; the plan's sorted pass again, alone")
+    with PrivateRedis() as redis_proc:
+        for name, (path, n) in files.items():
+            rates: dict[str, list[float]] = {"plan": [], "no-plan": []}
+            cpu: dict[str, list[float]] = {"plan": [], "no-plan": []}
+            rebuild: list[tuple[float, float]] = []
+            for i in range(a.ab_repeat):
+                for mode in ("plan", "no-plan"):
+                    run = f"pl{i}{mode[0]}"
+                    rate, cpu_s = enqueue_from(here, path, redis_proc.url, work / run, run,
+                                               *(["--no-plan"] if mode == "no-plan" else []))
+                    rates[mode].append(rate)
+                    cpu[mode].append(cpu_s)
+                    if mode == "plan":
+                        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHFLEET_")}
+                        env["PYTHONPATH"] = str(here)
+                        done = subprocess.run([sys.executable, "-c", _REBUILD, str(work / run / f"{run}.sqlite"), run],
+                                              env=env, capture_output=True, text=True, timeout=3600, check=True)
+                        _, dt, rss = done.stdout.split()
+                        rebuild.append((float(dt), float(rss)))
+                    shutil.rmtree(work / run)
+                    redis.Redis.from_url(redis_proc.url).flushall()
+            mp, mn = statistics.median(cpu["plan"]), statistics.median(cpu["no-plan"])
+            rb = statistics.median(x for x, _ in rebuild)
+            print(f"  {name} ({n:,} prompts, {path.stat().st_size / n:,.0f} B a line)")
+            for mode in ("plan", "no-plan"):
+                print(f"    {mode:<8}: {statistics.median(rates[mode]):>10,.0f} prompts/s "
+                      f"({min(rates[mode]):,.0f}-{max(rates[mode]):,.0f}), {statistics.median(cpu[mode]):.1f} s CPU "
+                      f"({min(cpu[mode]):.1f}-{max(cpu[mode]):.1f})")
+            print(f"    plan / no-plan, CPU of the enqueue: {mp / mn:.3f}x (goal <= 1.10; its final feed pass "
+                  f"made the sorted pass: alone {rb:.2f} s, peak RSS {max(r for _, r in rebuild):,.0f} MiB)")
     sys.stdout.flush()
 
 
@@ -276,7 +346,7 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=60, help="words per prompt in the layout measure")
     ap.add_argument("--queues", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--only", choices=("store", "layout", "against"),
+    ap.add_argument("--only", choices=("store", "layout", "against", "plan"),
                     help="one measure (against: only the checkouts' comparison, which needs --against)")
     ap.add_argument("--against", metavar="DIR", action="append", default=[],
                     help="also enqueue the same file with the code of this checkout (repeatable)")
@@ -287,6 +357,8 @@ def main() -> None:
             bench_store(a, Path(tmp))
         if a.only in (None, "store", "against") and a.against:
             bench_against(a, Path(tmp))
+        if a.only in (None, "plan"):
+            bench_plan(a, Path(tmp))
         if a.only in (None, "layout"):
             bench_layout(a, Path(tmp))
 

@@ -7,6 +7,8 @@ feeding and `supervisor watch` deciding as in a real run:
 
     planned   producer enqueue (the plan: groups by shared prefix, whole units to servers)
     input     producer enqueue --no-plan (longest first, then input order: the shuffled file's order)
+    sorted    (with --feeds ...,sorted) planned from the same prompts sorted by group in the file: input
+              order must not matter (goal: shuffled within 1.05x of sorted)
     oracle    each group sent whole to one server, the groups dealt evenly (by tokens, largest first):
               one run per GPU in one Redis, each holding only its groups (a static partition: nothing is
               stolen at the end), on the spec the planned run ended on
@@ -286,7 +288,11 @@ def main() -> int:
                 spec = None
                 for feed in feeds:  # interleaved, so a drift of the machine falls on every feed alike
                     with tempfile.TemporaryDirectory(prefix=f"bench-prefix-{feed}-") as tmp:
-                        res = run_one(profile, feed, rows, Path(tmp), args, spec)
+                        if feed == "sorted":  # the same prompts, each group's together in the file
+                            res = run_one(profile, "planned", sorted(rows, key=lambda x: x[1]), Path(tmp), args,
+                                          spec)
+                        else:
+                            res = run_one(profile, feed, rows, Path(tmp), args, spec)
                     if feed == "planned":
                         spec = res["spec"]
                     results.setdefault((profile, workload, feed), []).append(res)
@@ -313,6 +319,8 @@ def main() -> int:
             parts = []
             if "planned" in med and "input" in med:
                 parts.append(f"input / planned {med['input'] / med['planned']:.2f}x (goal >= {goal_in})")
+            if "planned" in med and "sorted" in med:
+                parts.append(f"shuffled / sorted input, planned {med['planned'] / med['sorted']:.3f}x (goal <= 1.05)")
             if "planned" in med and "oracle" in med:
                 parts.append(f"planned / oracle {med['planned'] / med['oracle']:.3f}x"
                              + (f" (goal <= {goal_oracle})" if goal_oracle else ""))

@@ -87,8 +87,6 @@ class EnqueueSummary:
     first_change: tuple[int, str] | None = None  # (line, custom_id) of the first changed line
     rejects_path: Path | None = None
     seconds: float = 0.0
-    fed: dict[str, int] = field(default_factory=dict)  # put into Redis by the final feed pass, per queue
-    waiting: int = 0  # left in the store for the head to feed
 
     def counts(self) -> str:
         """What became of the lines: the counts add up to `lines`."""
@@ -129,7 +127,8 @@ def read_requests(source: Lines, defaults: dict[str, Any], model: str, *,
 def plan_key(canon: bytes, body: dict[str, Any]) -> bytes:
     """The prompt's plan key (`plan.prefix_key`), its chain seeded by the model the request names."""
     model = body.get("model")
-    return prefix_key(canon, model if isinstance(model, str) else "")
+    field = "messages" if "messages" in body else "prompt" if "prompt" in body else "input" if "input" in body else None
+    return prefix_key(canon, model if isinstance(model, str) else "", field)
 
 
 def cost_of(body: dict[str, Any]) -> int:

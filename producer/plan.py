@@ -6,8 +6,8 @@ its memory. The whole job is in the store before it runs, so the head can order 
 
 - **A key per prompt** (`prefix_key`, at enqueue, no tokenizer): the request's conversation as the
   store holds it (its canonical JSON from `"messages"`, `"prompt"` or `"input"` on: everything a server
-  renders after the fixed part of its template) is hashed at anchors of growing length (256 B, 384 B,
-  512 B, ... 128 KiB: ~1.5x apart), each component a 16-bit slice of the running CRC-32 up to that
+  renders after the fixed part of its template) is hashed at anchors of growing length (512 B, 1 KiB,
+  2 KiB, ... 128 KiB: 2x apart), each component a 16-bit slice of the running CRC-32 up to that
   anchor, the chain seeded by the model (a LoRA adapter's prompts are cached apart). Prompts sharing
   a prefix up to an anchor share the key's components up to it, so sorting by key puts them next to
   each other, the longest shared prefixes innermost. The key stops at the last anchor within the
@@ -35,12 +35,13 @@ from typing import NamedTuple
 
 __all__ = ["ANCHORS", "SHARED_MIN", "Dealer", "PlanRow", "Unit", "common_prefix", "conversation", "prefix_key"]
 
-# Bytes of the conversation at which the key takes a component: ~1.5x apart, so a shared prefix is
-# resolved to within a factor of 1.5 of its length, up to 128 KiB (~32K tokens).
-ANCHORS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152,
-           65536, 98304, 131072)
+# Bytes of the conversation at which the key takes a component: 2x apart, so a shared prefix is
+# resolved to within a factor of 2 of its length (the units are cut on the bytes prompts really share,
+# `common_prefix`: the key only sorts), up to 128 KiB (~32K tokens).
+ANCHORS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)  # from SHARED_MIN: less is not grouped
 # Where the conversation starts in a canonical body (keys sorted: these come after "max_tokens" & co.).
 _STARTS = (b'"messages":', b'"prompt":', b'"input":')
+_MARKER = {"messages": _STARTS[0], "prompt": _STARTS[1], "input": _STARTS[2]}
 # A prefix shorter than this is not worth keeping prompts together for (about 128 tokens).
 SHARED_MIN = 512
 
@@ -63,12 +64,18 @@ _SEEDS: dict[str, int] = {}
 _PACK = [struct.Struct(f">{n}H") for n in range(len(ANCHORS) + 1)]
 
 
-def prefix_key(canon: bytes, model: str = "") -> bytes:
+def prefix_key(canon: bytes, model: str = "", field: str | None = None) -> bytes:
     """The prompt's plan key (see the module doc): 2 bytes per anchor within its conversation. A
-    conversation shorter than the first anchor has an empty key: nothing of it is worth grouping."""
-    at = _start(canon)
-    text = memoryview(canon)[at:]
-    n = len(text)
+    conversation shorter than the first anchor has an empty key: nothing of it is worth grouping.
+    `field`: the body's conversation key when the caller knows it ("messages", "prompt", "input"): one
+    search instead of up to three."""
+    if len(canon) < ANCHORS[0]:
+        return b""
+    marker = _MARKER.get(field) if field else None
+    at = canon.find(marker) if marker else _start(canon)
+    if at < 0:
+        at = 0
+    n = len(canon) - at
     if n < ANCHORS[0]:
         return b""
     crc = _SEEDS.get(model)
@@ -76,14 +83,14 @@ def prefix_key(canon: bytes, model: str = "") -> bytes:
         crc = zlib.crc32(model.encode())
         if len(_SEEDS) < 1024:  # the models of a run are few; a run of many is only not cached
             _SEEDS[model] = crc
-    parts = []
-    done = 0
     crc32 = zlib.crc32
+    parts = []
+    done = at
     for anchor in ANCHORS:
         if anchor > n:
             break
-        crc = crc32(text[done:anchor], crc)
-        done = anchor
+        crc = crc32(canon[done:at + anchor], crc)
+        done = at + anchor
         parts.append(crc & 0xFFFF)
     return _PACK[len(parts)].pack(*parts)
 

@@ -77,9 +77,10 @@ DEFAULT_TENANT = "default"  # who owns an input enqueued without an owner
 UNBOUNDED_COST = 1 << 30  # no max_tokens: it may run to the context length, so it goes first
 _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 FEED_ORDER = "feed_order"  # meta key: "input" feeds older inputs first (see `order_feed_by_input`)
-PLAN, PLAN_STALE, PLAN_CURSOR = "plan", "plan_stale", "plan_cursor"  # meta keys of the `Plan`
+PLAN, PLAN_STALE, PLAN_CURSOR, PLAN_KEYLESS = "plan", "plan_stale", "plan_cursor", "plan_keyless"  # `Plan`'s meta
 SETTLED_S = 2.0  # no prompt became WAITING for this long: a stale plan is rebuilt
 _WAITING_BY_INPUT = "CREATE INDEX IF NOT EXISTS prompts_waiting_input ON prompts(file, cost DESC, seq) WHERE state = 0"
+_PLAN_BY_INPUT = "CREATE INDEX IF NOT EXISTS plan_file ON plan(file, pos)"  # `Plan.next(file=)`
 _FAILED_RESULTS = "CREATE INDEX IF NOT EXISTS results_failed ON results(seq) WHERE ok = 0"  # `counts_in` reads it
 
 _INSERT = "INSERT OR IGNORE INTO prompts (cid, ep, body, file, line, cost, fp, pk) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
@@ -406,6 +407,7 @@ class Store(StoreReads):
         `batchfleet serve` asks of its store: its batches share the fleet in creation order. The
         index of the other order goes: every insert would pay for both."""
         self.db.execute(_WAITING_BY_INPUT)
+        self.db.execute(_PLAN_BY_INPUT)
         self.db.execute(_FAILED_RESULTS)
         self.db.execute("DROP INDEX IF EXISTS prompts_waiting")
         self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, 'input')", (FEED_ORDER,))
@@ -417,7 +419,9 @@ class Store(StoreReads):
         them: the plan's (producer/plan.py), else longest expected work first (in a store ordered by
         input: the oldest input's first, longest first within it)."""
         if self.plan.on:
-            return self.plan.next(limit, file=file)
+            planned = self.plan.next(limit, file=file)
+            if planned is not None:
+                return planned
         if file is not None:
             rows = self.db.execute("SELECT seq, cid, ep, body, fp, cost FROM prompts WHERE state = 0 AND file = ? "
                                    "ORDER BY cost DESC, seq LIMIT ?", (file, limit))
@@ -552,31 +556,41 @@ class Plan:
     def rebuild(self) -> int:
         """Order the waiting prompts anew: longest expected work first, then by plan key (prompts that
         share a prefix side by side), then input order; a store ordered by input keeps its inputs in
-        order first (each input's prompts side by side: read on per input, `next(file=)`). Returns how
-        many are planned."""
-        order = "file, cost DESC, pk, seq" if self.store.get_meta(FEED_ORDER) == "input" else "cost DESC, pk, seq"
+        order first (each input's prompts side by side: read on per input, `next(file=)`). When no
+        waiting prompt has a key (all shorter than the first anchor) there is nothing to group: the plan
+        is the feed's own order and no sorted pass is made. Returns how many are planned."""
         self.db.execute("DELETE FROM plan")
         self.db.execute("DELETE FROM plan_cursors")
-        n = self.db.execute(f"INSERT INTO plan (seq, file) SELECT seq, file FROM prompts WHERE state = 0 "
-                            f"ORDER BY {order}").rowcount
+        keyed = self.db.execute("SELECT 1 FROM prompts WHERE state = 0 AND length(pk) > 0 LIMIT 1").fetchone()
+        n = 0
+        if keyed is not None:
+            by_input = self.store.get_meta(FEED_ORDER) == "input"
+            order = "file, cost DESC, pk, seq" if by_input else "cost DESC, pk, seq"
+            n = self.db.execute(f"INSERT INTO plan (seq, file) SELECT seq, file FROM prompts WHERE state = 0 "
+                                f"ORDER BY {order}").rowcount
         self.db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                            [(PLAN_CURSOR, "0"), (PLAN_STALE, "0")])
+                            [(PLAN_CURSOR, "0"), (PLAN_STALE, "0"), (PLAN_KEYLESS, "0" if keyed else "1")])
         return n
 
-    def next(self, limit: int, *, file: int | None = None) -> list[PlanRow]:
+    def next(self, limit: int, *, file: int | None = None) -> list[PlanRow] | None:
         """Up to `limit` WAITING prompts after the cursor (of input `file`, or of the whole plan), in plan
-        order. A stale plan is rebuilt first once no prompt became WAITING for SETTLED_S, or when it has
-        nothing left: a run of 10M prompts is fed while an enqueue still stores it, by a plan of what was
-        there (rebuilt when that runs dry, not at every feed pass over all that waits), and planned
-        whole once the enqueue is done."""
+        order; None when the plan is the feed's own order (no waiting prompt has a key). A stale plan
+        is rebuilt first once no prompt became WAITING for SETTLED_S, or when it has nothing left: a
+        run of 10M prompts is fed while an enqueue still stores it, by a plan of what was there (rebuilt
+        when that runs dry, not at every feed pass over all that waits), and planned whole once the
+        enqueue is done."""
         since = float(self.store.get_meta(PLAN_STALE) or 0)  # when prompts last became WAITING unplanned
         stale = since > 0
         if stale and time.time() - since > SETTLED_S:
             self.rebuild()
             stale = False
+        if not stale and self.store.get_meta(PLAN_KEYLESS) == "1":
+            return None
         rows = self._after(self._cursor(file), limit, file)
         if not rows and stale:
             self.rebuild()
+            if self.store.get_meta(PLAN_KEYLESS) == "1":
+                return None
             rows = self._after(0, limit, file)
         return rows
 

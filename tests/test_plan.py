@@ -208,3 +208,24 @@ def test_a_units_later_prompts_follow_close_behind_its_first_in_blocks() -> None
     big = b"x" * (LEADERS_BLOCK_BYTES // 2 + 1)  # two units' firsts fill a block
     claims = [Claim(f"{g}{k}", "gpu0", big, grp=g.encode()) for g in "ABC" for k in range(2)]
     assert [c.jid for c in leaders_first(claims)] == ["A0", "B0", "A1", "B1", "C0", "C1"]
+
+
+def test_a_store_whose_prompts_have_no_key_feeds_in_its_own_order_without_a_sorted_pass(tmp_path: Path) -> None:
+    bodies = [{"model": "m", "max_tokens": t, "messages": [{"role": "user", "content": f"short {i}"}]}
+              for i, t in enumerate([8, 64, 16, 64])]
+    s = store_with(tmp_path, bodies)
+    with s.write():
+        assert s.plan.rebuild() == 0  # nothing shares a prefix worth grouping: no plan rows
+    with s.write():
+        rows = s.next_to_feed(10)
+        assert [r.cid for r in rows] == ["c1", "c3", "c2", "c0"] and all(r.pos == 0 for r in rows)
+        s.fed_rows(rows[:2])
+    assert [r.cid for r in s.next_to_feed(10)] == ["c2", "c0"]
+    # a keyed prompt arriving later makes a plan again
+    long = {"model": "m", "max_tokens": 99, "messages": [{"role": "user", "content": "doc " * 200}]}
+    c, fp = canonical_request("/v1/chat/completions", long)
+    with s.write():
+        s.insert_prompts([("c9", 0, c, 1, 9, 99, fp, prefix_key(c, "m"))])
+        s.plan.stale()
+        assert s.plan.rebuild() == 3
+    assert [r.cid for r in s.next_to_feed(10)] == ["c9", "c2", "c0"]

@@ -126,12 +126,26 @@ def rq_enqueue_many(r: redis.Redis, path: Path, limit: int, queues: tuple[str, .
     return time.perf_counter() - t0
 
 
+def keyed_prompts(path: Path, n: int) -> None:
+    """`n` prompts of ~640 B that the plan keys: one of 1,000 shared openings (~560 B) and a question."""
+    rng = random.Random(5)
+    openings = [(f"You are assistant {k:04d}. " + " ".join(f"rule{rng.randrange(10**6)}" for _ in range(50)))[:560]
+                for k in range(1000)]
+    with path.open("wb", buffering=1 << 20) as fh:
+        for start in range(0, n, 100_000):
+            fh.write(b"".join(
+                b'{"id":"k%08d","prompt":"%s Question %d?","max_tokens":%d}\n'
+                % (i, openings[(i * 7919) % 1000].encode(), i, 64 << (i % 3))
+                for i in range(start, min(n, start + 100_000))))
+
+
 def bench_store(a: argparse.Namespace, work: Path) -> None:
     queues = ",".join(f"gpu{i}" for i in range(a.queues))
-    path = work / "short.jsonl"
+    path = work / ("keyed.jsonl" if a.keyed else "short.jsonl")
     t0 = time.perf_counter()
-    short_prompts(path, a.n)
-    print(f"[{a.n:,} short prompts written in {time.perf_counter() - t0:.0f} s, {path.stat().st_size / MIB:,.0f} MiB]",
+    (keyed_prompts if a.keyed else short_prompts)(path, a.n)
+    kind = "keyed (planned)" if a.keyed else "short"
+    print(f"[{a.n:,} {kind} prompts written in {time.perf_counter() - t0:.0f} s, {path.stat().st_size / MIB:,.0f} MiB]",
           file=sys.stderr)
     with PrivateRedis() as redis_proc:
         r = redis.Redis.from_url(redis_proc.url)
@@ -171,7 +185,7 @@ def bench_store(a: argparse.Namespace, work: Path) -> None:
         before = used(r)
         dt = rq_enqueue_many(r, path, base_n, tuple(queues.split(",")), "base")
         per = (used(r) - before) / base_n
-    print(f"enqueue {a.n:,} short prompts ({path.stat().st_size / a.n:.0f} B a line) onto {a.queues} queues, "
+    print(f"enqueue {a.n:,} {kind} prompts ({path.stat().st_size / a.n:.0f} B a line) onto {a.queues} queues, "
           f"`producer head` running")
     print(f"  into the store           : {rate:>10,.0f} prompts/s   (goal >= 50,000)")
     print(f"  rq enqueue_many          : {base_n / dt:>10,.0f} prompts/s   (first {base_n:,}, every prompt into Redis)")
@@ -341,6 +355,8 @@ def bench_layout(a: argparse.Namespace, work: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=1_000_000, help="short prompts enqueued into the store")
+    ap.add_argument("--keyed", action="store_true",
+                    help="store: prompts of ~640 B sharing 1,000 openings, which the plan keys and sorts")
     ap.add_argument("--baseline-n", type=int, default=200_000, help="of them through rq enqueue_many")
     ap.add_argument("--layout-n", type=int, default=50_000)
     ap.add_argument("--words", type=int, default=60, help="words per prompt in the layout measure")

@@ -26,6 +26,7 @@ from typing import TextIO
 import orjson
 import redis
 
+from batchfleet.codec import loads
 from batchfleet.jobs import job_id_for
 from batchfleet.keys import Keys
 from batchfleet.records import RecordError, Result
@@ -90,7 +91,7 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
         parsed: list[tuple[bytes, Result | None, str]] = []
         for eid, fields in entries:
             try:
-                parsed.append((eid, Result.from_json(fields[b"r"]), ""))
+                parsed.append((eid, loads(Result, fields[b"r"]), ""))
             except (KeyError, RecordError) as exc:
                 parsed.append((eid, None, f"not a result record ({exc})"))
         ok_jids: list[str] = []
@@ -111,8 +112,8 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
                         stale.append((hit[0], res.jid, res.ok))
                         continue
                     else:
-                        rows.append((hit[0], hit[1], int(res.ok), orjson.dumps(res.batch_output_line()),
-                                     redis_time_s(eid)))  # Redis's clock orders results, not the worker host's
+                        at = redis_time_s(eid)  # Redis's clock orders results, not the worker host's
+                        rows.append((hit[0], hit[1], int(res.ok), orjson.dumps(res.batch_output_line()), at))
                         ok_jids.append(res.jid)
                         used = out.by_input.setdefault(hit[4], [0, 0])
                         used[0] += 1

@@ -48,7 +48,7 @@ from batchfleet.redact import private_file
 from .fingerprint import FileFingerprint, canonical_request
 from .inputs import MAX_LINE_BYTES, Lines
 from .parse import NotJson, Reject, parse_line
-from .plan import prefix_key
+from .plan import plan_key
 from .progress import Reporter
 from .store import UNBOUNDED_COST, Known, Span, State, Store, StoreError
 
@@ -122,13 +122,6 @@ def read_requests(source: Lines, defaults: dict[str, Any], model: str, *,
         except Reject as exc:
             got = exc
         yield lineno, raw, length, got
-
-
-def plan_key(canon: bytes, body: dict[str, Any]) -> bytes:
-    """The prompt's plan key (`plan.prefix_key`), its chain seeded by the model the request names."""
-    model = body.get("model")
-    field = "messages" if "messages" in body else "prompt" if "prompt" in body else "input" if "input" in body else None
-    return prefix_key(canon, model if isinstance(model, str) else "", field)
 
 
 def cost_of(body: dict[str, Any]) -> int:

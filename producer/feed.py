@@ -219,9 +219,9 @@ class Feeder:
             counts.append(sum(len(u) for u in units))
             for unit in units:
                 for row, grp in unit:
-                    jobs.append(Keys.job(job_id_for(run, row.cid)))
                     argv += (job_data(prompt_wire(row.cid, row.seq, row.url, orjson.Fragment(row.body), fp=row.fp,
                                                   run=run)), grp)
+                    jobs.append(Keys.job(job_id_for(run, row.cid)))
         predicted = [self.predicted.get(q, (0, 0)) for q in dealt]
         added, present, *per_queue = FEED.call(
             self.r, keys={"done": k.done, "stats": k.stats, "queue_index": RQ_QUEUES,

@@ -31,9 +31,10 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-__all__ = ["ANCHORS", "SHARED_MIN", "Dealer", "PlanRow", "Unit", "common_prefix", "conversation", "prefix_key"]
+__all__ = ["ANCHORS", "SHARED_MIN", "Dealer", "PlanRow", "Unit", "common_prefix", "conversation", "plan_key",
+           "prefix_key"]
 
 # Bytes of the conversation at which the key takes a component: 2x apart, so a shared prefix is
 # resolved to within a factor of 2 of its length (the units are cut on the bytes prompts really share,
@@ -93,6 +94,14 @@ def prefix_key(canon: bytes, model: str = "", field: str | None = None) -> bytes
         done = at + anchor
         parts.append(crc & 0xFFFF)
     return _PACK[len(parts)].pack(*parts)
+
+
+def plan_key(canon: bytes, body: dict[str, Any]) -> bytes:
+    """The plan key of a request whose canonical JSON is `canon` (`body` parsed): `prefix_key`, its
+    chain seeded by the model the request names."""
+    model = body.get("model")
+    field = "messages" if "messages" in body else "prompt" if "prompt" in body else "input" if "input" in body else None
+    return prefix_key(canon, model if isinstance(model, str) else "", field)
 
 
 def common_prefix(a: bytes, b: bytes) -> int:

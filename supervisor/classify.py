@@ -280,7 +280,10 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, si
         return (IDLE, ["the run has ended: nothing left to serve"], "") if ended else (
             DRAINING, ["no backlog left in Redis"], "")
     a = _aggregate(serving)
-    if a.offered < a.cap - th.tolerance(a.cap):
+    # Offered less than its capacity, and the server runs what it is offered (no more waits inside than
+    # the surplus): our side. A worker holding fewer than the server's slots because its KV pool holds
+    # no more (worker/slots.py KvBound) leaves a queue inside: the server's, below.
+    if a.offered < a.cap - th.tolerance(a.cap) and a.queued <= a.surplus + 1:
         return _offered_less(a, serving, late=2 * len(serving) < len(samples), backlog=backlog, short_of=short_of,
                              th=th)
     # The worker offers the server its capacity: what the server does with it is the server's.

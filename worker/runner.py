@@ -1,4 +1,4 @@
-"""One claimed prompt, from its claim to its outcome: read it (`jobcheck`), send it to the server,
+"""One claimed prompt, from its claim to its outcome: read it (`batchfleet.jobs.read_job`), send it to the server,
 retry what may succeed later, and write how it ended (`outcomes`).
 
 Outcomes follow the exception tree in `batchfleet.errors`: a reply is a success; PromptError fails the
@@ -24,9 +24,9 @@ from batchfleet.backoff import backoff_s
 from batchfleet.config import Config
 from batchfleet.errors import ErrorCode, JobRefused, PromptError, RetryableError
 from batchfleet.http1 import ConnectFailed
+from batchfleet.jobs import Trimmed, read_job
 
 from .flight import Board, Flight, FlightState
-from .jobcheck import Trimmed, read_claim
 from .judge import Judge
 from .ledger import ClaimKind, Ledger
 from .mode import ModeGate
@@ -58,7 +58,7 @@ class PromptRunner:
         """The task of one claimed prompt; it holds one slot, except while it waits to retry."""
         claim = flight.claim
         try:
-            prompt = flight.prompt = read_claim(claim, self.run_name)
+            prompt = flight.prompt = read_job(claim.jid, claim.data, self.run_name)
             if claim.kind is ClaimKind.SOLO:
                 me = asyncio.current_task()
                 others = [t for t in self.board.tasks if t is not me]

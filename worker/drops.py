@@ -8,7 +8,7 @@ cancelled, the server told to abort their requests, their leases released, nothi
 it looks at the run's cancel flag (`on_check`: the whole run, acknowledged to `producer cancel`).
 
 A message can be missed (the subscription's connection broke, Redis restarted): the lease beat runs
-the same check before it renews (`LeaseKeeper(before=...)`), and the watch checks once each time it
+the same check before it renews (`LeaseKeeper(check_drops=...)`), and the watch checks once each time it
 has (re)subscribed. So a dropped prompt never reaches the lease renewal, where its lease (removed by
 the producer) would read as lost to another worker.
 """

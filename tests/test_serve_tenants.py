@@ -219,18 +219,12 @@ def test_a_batch_over_its_tenants_quota_is_refused_at_creation_with_the_figures_
     wait_status(beta, second.id, {"in_progress"})
     assert store_rows(sv, "SELECT COUNT(*) FROM files") == [(2,)]  # the two batches accepted, no more
     assert store_rows(sv, "SELECT COUNT(*) FROM prompts") == [(80,)]
-    # what finishes no longer counts: 30 of alpha's answered, its 10 left plus 40 fit again
-    queue = "quota.gpu0"
-    answered = 0
-    deadline = time.monotonic() + 30
-    while answered < 30:
-        answered += len(work(sv.env["REDIS_URL"], [queue], 30 - answered, run=sv.run,
-                             keep=lambda cid: cid.startswith(first.id)))
-        assert time.monotonic() < deadline
-    deadline = time.monotonic() + 30
+    # what finishes no longer counts: once 30 of alpha's are answered, its 10 left plus 40 fit again
+    deadline = time.monotonic() + 60
     while (b := alpha.batches.retrieve(first.id)).request_counts.completed < 30:  # type: ignore[union-attr]
+        work(sv.env["REDIS_URL"], ["quota.gpu0"], 10, run=sv.run)
         assert time.monotonic() < deadline, b
-        time.sleep(0.2)
+        time.sleep(0.1)
     create(alpha, fa)
 
 
@@ -355,8 +349,10 @@ def test_a_batch_estimated_past_its_deadline_is_said_once_and_expires_under_fair
     err = [orjson.loads(x) for x in alpha.files.content(b.error_file_id).content.splitlines()]  # type: ignore[arg-type]
     assert sorted(x["custom_id"] for x in out + err) == sorted(f"req-{i}" for i in range(80))
     assert {x["error"]["code"] for x in err} == {"batch_expired"} and len(out) == b.request_counts.completed > 0
-    # beta's high batch went to the front of the queue, ahead of alpha's prompts fed before it: done in time
+    # beta's high batch went to the front as room opened, ahead of alpha's prompts fed before it (the
+    # queue held 16 of them): done in time
     done = wait_status(beta, small.id, {"completed"})
     assert done.request_counts is not None and done.request_counts.completed == 4
-    assert sorted(i for i, c in enumerate(answered) if c.startswith(small.id)) == [0, 1, 2, 3]
+    assert done.completed_at is not None and done.completed_at < b.expires_at
+    assert max(i for i, c in enumerate(answered) if c.startswith(small.id)) < 12, answered
     assert os.path.exists(sv.state / f"{run}.sqlite")

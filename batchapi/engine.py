@@ -6,7 +6,10 @@
     in_progress  request_counts from the store (`Store.counts_in`: two range scans of the batch's span,
                  at most every COUNT_EVERY_S and only when the store changed) -> nothing pending ->
                  finalizing -> its files -> completed
-    validating   the oldest one: its file into the store (`validate`) -> in_progress, or failed
+    validating   the oldest one: its file into the store (`validate`), owned by its tenant at its
+                 priority, and the head woken -> in_progress, or failed
+    tenants      new weights into the store; the tenants' figures, the batches' ETAs, the metrics
+                 (`Tenancy.step`, at most every second)
 
 The thread's store connection never checkpoints inside a commit (`Store.checkpoint_later`): it
 checkpoints once a batch is in_progress or ended, when no client waits on it.
@@ -132,8 +135,6 @@ class Engine:
 
     def step(self) -> bool:
         """One pass (see the module doc). True when validations are waiting (pass again at once)."""
-        assert self.store is not None
-        self.tenancy.step(self.store)
         now = time.time()
         todo = self.registry.unfinished()
         for b in todo:
@@ -152,6 +153,8 @@ class Engine:
         waiting = [b for b in todo if self.registry.batches[b.id].status is BatchStatus.VALIDATING]
         if waiting:
             self._validate(waiting[0])
+        assert self.store is not None
+        self.tenancy.step(self.store)  # weights into the store, the fleet's figures and ETAs
         return len(waiting) > 1
 
     # --- validating -> in_progress | failed -----------------------------------------------------------

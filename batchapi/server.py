@@ -18,6 +18,7 @@ import errno
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,10 +77,11 @@ def prepare_store(config: Config, r: redis.Redis, queues: tuple[str, ...]) -> Pa
 
 def serve_api(config: Config, r: redis.Redis, keys: ApiKeys, options: ServeOptions, *,
               tick: Callable[[], bool] | None = None, on_ready: Callable[[str], None] | None = None,
-              on_rows: Callable[[list[TenantRow]], None] | None = None) -> int:
+              on_rows: Callable[[list[TenantRow]], None] | None = None, hup: threading.Event | None = None) -> int:
     """Serve until SIGINT/SIGTERM (or until `tick`, called every second, returns False). Returns 0.
     SIGHUP reads the tenants file again (`reload_tenants`). `on_rows`: the tenants' rows for a screen,
-    from the engine's thread when they change (at most every fleet.SCREEN_EVERY_S)."""
+    from the engine's thread when they change (at most every fleet.SCREEN_EVERY_S). `hup`: set by a SIGHUP
+    that came while serve was starting; the file is read again once the API serves."""
     store_path = prepare_store(config, r, options.queues)
     # The engine's thread validates batches (CPU-bound Python) while the API's loop answers polls: at
     # the default 5 ms a poll every 10 ms made a 50,000-line validation take 1.45 s instead of 1.0 s
@@ -92,7 +94,8 @@ def serve_api(config: Config, r: redis.Redis, keys: ApiKeys, options: ServeOptio
     engine.ready.wait(60)
     try:
         app = make_app(registry, engine, limits, max_upload_bytes=options.max_upload_bytes)
-        _run_loop(_serve(app, options, tick, on_ready, lambda: reload_tenants(engine.tenancy)))
+        early = hup or threading.Event()
+        _run_loop(_serve(app, options, tick, on_ready, lambda: reload_tenants(engine.tenancy), early))
     finally:
         engine.stop()
         registry.close()
@@ -127,19 +130,23 @@ def reload_tenants(tenancy: Tenancy) -> None:
 
 
 async def _serve(app: web.Application, options: ServeOptions, tick: Callable[[], bool] | None,
-                 on_ready: Callable[[str], None] | None, reload: Callable[[], None]) -> None:
+                 on_ready: Callable[[str], None] | None, reload: Callable[[], None], early: threading.Event) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    hup: set[asyncio.Future[None]] = set()
+    reloads: set[asyncio.Future[None]] = set()
 
     def on_hup() -> None:  # the file is read in a thread: no disk on the loop
         task = asyncio.ensure_future(asyncio.to_thread(reload))
-        hup.add(task)
-        task.add_done_callback(hup.discard)
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
 
+    before = signal.getsignal(signal.SIGHUP)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
+    if early.is_set():  # a SIGHUP while serve was starting
+        early.clear()
+        on_hup()
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
@@ -161,3 +168,5 @@ async def _serve(app: web.Application, options: ServeOptions, tick: Callable[[],
         await runner.cleanup()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        if callable(before) or before == signal.SIG_IGN:  # while the fleet stops, a SIGHUP is what it was
+            signal.signal(signal.SIGHUP, before)

@@ -57,7 +57,11 @@ class Tenancy:
                     if self._weights is None:
                         self._weights = weights
                 raise
-        if self.book.update(self.api_keys):
+        try:
+            updated = self.book.update(self.api_keys)
+        except redis.RedisError:  # the figures wait for Redis; the batches' lives do not
+            return
+        if updated:
             self.metrics.update(set(self.api_keys.by_name), self.book.tenants, list(self.book.batches.values()))
 
     def stored(self) -> None:

@@ -34,6 +34,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,6 +81,7 @@ __all__ = ["add_parser", "main"]
 
 DEFAULT_RUN = "serve"
 RESTART_AFTER_S = 5.0  # a head that exited is started again after this
+HUP = threading.Event()  # a SIGHUP came before the API served (or while the fleet stops): ignored then
 
 
 def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
@@ -124,6 +126,7 @@ def main(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, interrupt)  # while starting, SIGTERM is a Ctrl-C: cleanup runs
+    old_hup = signal.signal(signal.SIGHUP, lambda _sig, _frame: HUP.set())  # read again once serving
     try:
         return _serve(args)
     except BrokenPipeError:
@@ -135,6 +138,7 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGHUP, old_hup)
 
 
 def _hash_key() -> int:
@@ -212,7 +216,7 @@ def _serve_leased(args: argparse.Namespace, config: Config, r: redis.Redis, keys
         auth = f"{len(keys)} API key(s)" if keys.enabled else "no API key (loopback only)"
         if keys.tenants_file is not None:
             auth += f", {len(keys.by_name)} tenant(s) (SIGHUP reads {keys.tenants_file} again)"
-        serve_api(config, r, keys, options, tick=watch.tick, on_rows=_tenant_rows,
+        serve_api(config, r, keys, options, tick=watch.tick, on_rows=_tenant_rows, hup=HUP,
                   on_ready=lambda where: _say(f"the OpenAI Batch API at {where} ({auth}); Ctrl-C stops"))
     except ServeError as exc:
         raise UsageError(str(exc)) from None

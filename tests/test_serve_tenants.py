@@ -231,8 +231,12 @@ def test_a_batch_over_its_tenants_quota_is_refused_at_creation_with_the_figures_
 def test_sighup_reads_the_tenants_file_again_and_a_bad_one_keeps_the_tenants_before(tmp_path: Path,
                                                                                    redis_url: str) -> None:
     path = two_tenants(tmp_path / "tenants.toml", alpha="max_queued_requests = 5")
-    sv = Serve(tmp_path, redis_url, "--tenants", str(path)).start()
+    sv = Serve(tmp_path, redis_url, "--tenants", str(path)).start(wait=False)
     assert sv.proc is not None
+    wait_log(sv, r"serve: run \S+: ")  # starting: a SIGHUP now is kept for when the API serves
+    sv.proc.send_signal(signal.SIGHUP)
+    sv.wait_ready()
+    wait_log(sv, r"SIGHUP: tenants file \S+ read again: 2 tenant\(s\), 2 key\(s\)")
     alpha = sv.client(KEYS["alpha"])
     fa = upload(alpha, tmp_path / "a.jsonl", batch_lines(8))
     with pytest.raises(openai.BadRequestError):

@@ -112,6 +112,10 @@ class FleetBook:
         self.batches: dict[str, BatchRow] = {}
         self.meters: dict[str, RateMeter] = {}
         self.late: set[str] = set()  # batches whose warning was given (and that did not recover since)
+        self._made = 0  # batches of the registry looked at (its creation order)
+        self._open: set[str] = set()  # the unfinished ones at the last pass
+        self._counted: set[str] = set()  # ended batches whose counts are in _done
+        self._done: dict[str, int] = {}  # tenant -> requests done of its batches that ended
         self._next = 0.0
         self._screen_at = 0.0
         self._shown: object = None
@@ -123,13 +127,12 @@ class FleetBook:
             return False
         self._next = mono + UPDATE_EVERY_S
         figures = read_tenants(self.r, self.keys)
-        everything = self.registry.all_batches()
-        unfinished = [b for b in everything if b.status in QUEUED]
+        live, done = self._tally()
+        unfinished = [b for b in live if b.status in QUEUED]
         files = self.registry.files
-        names = set(api_keys.by_name) | {tenant_name(b) for b in everything}
-        done: dict[str, int] = dict.fromkeys(names, 0)
-        for b in everything:
-            done[tenant_name(b)] += b.completed + b.failed
+        names = set(api_keys.by_name) | set(done)
+        for name in names:
+            done.setdefault(name, 0)
         rows = []
         for name in sorted(names):
             fig = figures.get(name)
@@ -142,6 +145,26 @@ class FleetBook:
         self.batches = self._batch_rows(unfinished, files, time.time())
         self._screen(mono)
         return True
+
+    def _tally(self) -> tuple[list[BatchRecord], dict[str, int]]:
+        """The unfinished batches, and per tenant the requests done (completed + failed) of all its
+        batches. An ended batch's counts never change: each is added once, when it is seen ended, so a
+        pass reads only the new and the unfinished batches, not every batch there ever was."""
+        new = self.registry.all_batches(self._made)
+        self._made += len(new)
+        watch = self._open | {b.id for b in new}
+        open_now = self.registry.unfinished()
+        for bid in watch:
+            b = self.registry.batches[bid]
+            if b.final and bid not in self._counted:
+                self._counted.add(bid)
+                self._done[tenant_name(b)] = self._done.get(tenant_name(b), 0) + b.completed + b.failed
+        live = [b for b in open_now if b.id not in self._counted]
+        self._open = (watch - self._counted) | {b.id for b in live}
+        done = dict(self._done)
+        for b in live:
+            done[tenant_name(b)] = done.get(tenant_name(b), 0) + b.completed + b.failed
+        return live, done
 
     def _batch_rows(self, unfinished: list[BatchRecord], files: dict, now: float) -> dict[str, BatchRow]:
         out = {}

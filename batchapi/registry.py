@@ -163,10 +163,10 @@ class Registry:
         with self._mem:
             return [b for b in (self.batches[i] for i in reversed(self._order)) if b.owner == owner]
 
-    def all_batches(self) -> list[BatchRecord]:
-        """Every batch, oldest first."""
+    def all_batches(self, start: int = 0) -> list[BatchRecord]:
+        """Every batch, oldest first; from the `start`-th made on (those made since a caller looked)."""
         with self._mem:
-            return [self.batches[i] for i in self._order]
+            return [self.batches[i] for i in self._order[start:]]
 
     def unfinished(self) -> list[BatchRecord]:
         """Every batch not in a final state, oldest first."""

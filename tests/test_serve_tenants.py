@@ -16,15 +16,22 @@ import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import openai
 import orjson
 import pytest
+import redis
 from openai.types import Batch
 
+from batchapi.auth import ApiKeys
+from batchapi.fleet import FleetBook
+from batchapi.objects import BatchRecord, BatchStatus, new_batch_id
+from batchapi.registry import Registry
 from batchapi.tenants import PRIORITY_NAMES, TenantsError, load_tenants
+from batchfleet.keys import Keys
 from producer.api import priority_level
 
 from .serveproc import BIN, Serve, batch_lines, serve_env, write_lines
@@ -360,3 +367,30 @@ def test_a_batch_estimated_past_its_deadline_is_said_once_and_expires_under_fair
     assert done.completed_at is not None and done.completed_at < b.expires_at
     assert max(i for i, c in enumerate(answered) if c.startswith(small.id)) < 12, answered
     assert os.path.exists(sv.state / f"{run}.sqlite")
+
+
+def test_the_fleet_counts_each_batchs_done_requests_once_however_fast_it_ends(tmp_path: Path, r: redis.Redis) -> None:
+    """A batch that ends between two passes, or is made and ended between them, is counted once."""
+    registry = Registry(tmp_path / "state", "book")
+    book = FleetBook(r, Keys("book"), registry)
+    keys = ApiKeys([])
+
+    def batch(status: BatchStatus, done: int, tenant: str = "t1") -> BatchRecord:
+        b = BatchRecord(id=new_batch_id(), owner="", input_file_id="file-x", endpoint="/v1/completions",
+                        completion_window="24h", created_at=1, expires_at=2, status=status, total=10, completed=done,
+                        tenant=tenant)
+        registry.put_batch(b)
+        return b
+
+    def done() -> dict[str, int]:
+        assert book.update(keys, force=True)
+        return {t.name: t.done for t in book.tenants}
+
+    running = batch(BatchStatus.IN_PROGRESS, 3)
+    batch(BatchStatus.COMPLETED, 10, tenant="t2")
+    assert done() == {"default": 0, "t1": 3, "t2": 10}
+    registry.put_batch(replace(running, status=BatchStatus.COMPLETED, completed=10))  # ends between passes
+    batch(BatchStatus.CANCELLED, 4)  # made and ended between passes
+    assert done() == {"default": 0, "t1": 14, "t2": 10}
+    assert done() == {"default": 0, "t1": 14, "t2": 10}  # and never again
+    registry.close()

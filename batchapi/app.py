@@ -9,7 +9,12 @@
     GET    /v1/batches                 ?limit (<= 100), after: newest first -> list
     GET    /v1/batches/{id}                                                 -> Batch
     POST   /v1/batches/{id}/cancel                                          -> Batch
+    GET    /v1/fleet                   the tenants' shares, this key's batches  -> {"object": "fleet", ...}
+    GET    /metrics                    Prometheus text: one series per tenant (batchapi/metrics.py)
     GET    /health                     no key needed                        -> {"status": "ok"}
+
+A batch's `metadata.priority` (high, normal, low; batchfleet's extension) must be one its key's tenant may
+use, and the batch must fit the tenant's quotas (batchapi/quota.py): else 400, and nothing is made.
 
 Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 401 without a valid
 key, 404 for an object that does not exist or belongs to another key (the two are not told apart),
@@ -31,11 +36,14 @@ from typing import Any
 
 import orjson
 from aiohttp import BodyPartReader, web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from .auth import ApiKeys
 from .engine import Engine, Limits
 from .objects import BATCH_PURPOSE, ENDPOINTS, WINDOWS, BatchRecord, BatchStatus, FileRecord, new_batch_id, new_file_id
+from .quota import Queued, count_file, queued_of, quota_problem
 from .registry import Registry, Upload
+from .tenants import PRIORITY_NAMES, priority_of
 
 __all__ = ["MB", "make_app"]
 
@@ -85,13 +93,18 @@ def _int(request: web.Request, name: str, default: int, lo: int, hi: int) -> int
 
 
 class Api:
-    def __init__(self, registry: Registry, engine: Engine, keys: ApiKeys, limits: Limits, *,
-                 max_upload_bytes: int) -> None:
+    def __init__(self, registry: Registry, engine: Engine, limits: Limits, *, max_upload_bytes: int) -> None:
         self.registry = registry
         self.engine = engine
-        self.keys = keys
+        self.tenancy = engine.tenancy
         self.limits = limits
         self.max_upload_bytes = max_upload_bytes
+        self.creating = asyncio.Lock()  # one batch created at a time: a quota is checked against all before it
+
+    @property
+    def keys(self) -> ApiKeys:
+        """The keys in force (a SIGHUP may replace them: `Tenancy.use`)."""
+        return self.tenancy.api_keys
 
     @web.middleware
     async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -135,7 +148,7 @@ class Api:
                 return error(400, f"purpose {purpose!r}: batchfleet serve keeps files for the Batch API only "
                                   "(purpose=batch)", param="purpose")
             rec = replace(rec, purpose=purpose)
-            await asyncio.to_thread(upload.keep, rec)  # synced, in place, committed: then acknowledged
+            rec = await asyncio.to_thread(upload.keep, rec)  # synced, in place, committed: then acknowledged
         finally:
             if upload is not None:
                 await asyncio.to_thread(upload.discard)
@@ -218,19 +231,42 @@ class Api:
         problem = _metadata_problem(metadata)
         if problem:
             return error(400, problem, param="metadata", code="invalid_value")
+        priority = priority_of(metadata)
+        if priority not in PRIORITY_NAMES:
+            return error(400, f"metadata.priority {priority[:32]!r}: one of {', '.join(PRIORITY_NAMES)} (batchfleet's "
+                              "extension; absent: normal)", param="metadata", code="invalid_value")
+        tenant = self.keys.tenant_of(request["owner"])
+        if priority not in tenant.priorities:
+            return error(400, f"metadata.priority {priority!r}: tenant {tenant.name} may submit "
+                              f"{' and '.join(p for p in PRIORITY_NAMES if p in tenant.priorities)} batches only "
+                              "(the tenants file says which priorities each tenant may use)",
+                         param="metadata", code="invalid_value")
         f = self.registry.file(fid, request["owner"])
         if f is None:
             return error(400, f"No such File object: {fid}", param="input_file_id", code="invalid_value")
         if f.purpose != BATCH_PURPOSE:
             return error(400, f"file {fid} has purpose {f.purpose!r}, not 'batch'", param="input_file_id",
                          code="invalid_value")
-        now = int(time.time())
-        rec = BatchRecord(id=new_batch_id(), owner=request["owner"], input_file_id=fid, endpoint=endpoint,
-                          completion_window=window, created_at=now, expires_at=now + int(self.limits.window_s),
-                          metadata=metadata or None)
-        await asyncio.to_thread(self.registry.put_batch, rec)
+        if f.requests is None:  # uploaded before uploads were counted: count it now, off the loop
+            f = await asyncio.to_thread(self._counted, f)
+        async with self.creating:
+            refused = quota_problem(tenant, queued_of(self.registry.unfinished(), self.registry.files, tenant.name),
+                                    Queued(f.requests or 0, f.prompt_bytes or 0), self.tenancy.ratio)
+            if refused:
+                return error(400, refused[1], param="input_file_id", code=refused[0])
+            now = int(time.time())
+            rec = BatchRecord(id=new_batch_id(), owner=request["owner"], input_file_id=fid, endpoint=endpoint,
+                              completion_window=window, created_at=now, expires_at=now + int(self.limits.window_s),
+                              metadata=metadata or None, tenant=tenant.name)
+            await asyncio.to_thread(self.registry.put_batch, rec)
         self.engine.wake()
         return _json(rec.to_api())
+
+    def _counted(self, f: FileRecord) -> FileRecord:
+        requests, size = count_file(self.registry.file_path(f.id))
+        rec = replace(f, requests=requests, prompt_bytes=size)
+        self.registry.add_file(rec)
+        return rec
 
     async def list_batches(self, request: web.Request) -> web.Response:
         batches = self.registry.list_batches(request["owner"])
@@ -258,6 +294,15 @@ class Api:
         self.engine.wake()
         return _json(rec.to_api())
 
+    # --- the fleet: tenants and their shares ------------------------------------------------------------
+    async def fleet(self, request: web.Request) -> web.Response:
+        book = self.tenancy.book
+        mine = [b.to_api() for b in book.batches.values() if b.owner == request["owner"]]
+        return _json({"object": "fleet", "tenants": [t.to_api() for t in book.tenants], "batches": mine})
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.tenancy.metrics.text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def health(self, _request: web.Request) -> web.Response:
         return _json({"status": "ok"})
 
@@ -281,9 +326,9 @@ def _metadata_problem(metadata: object) -> str | None:
     return None
 
 
-def make_app(registry: Registry, engine: Engine, keys: ApiKeys, limits: Limits, *,
-             max_upload_bytes: int) -> web.Application:
-    api = Api(registry, engine, keys, limits, max_upload_bytes=max_upload_bytes)
+def make_app(registry: Registry, engine: Engine, limits: Limits, *, max_upload_bytes: int) -> web.Application:
+    """The API; its keys are the engine's (`Engine.tenancy`)."""
+    api = Api(registry, engine, limits, max_upload_bytes=max_upload_bytes)
     app = web.Application(middlewares=[api.guard], client_max_size=CHUNK)
     app.add_routes([
         web.post("/v1/files", api.create_file),
@@ -295,6 +340,8 @@ def make_app(registry: Registry, engine: Engine, keys: ApiKeys, limits: Limits, 
         web.get("/v1/batches", api.list_batches),
         web.get("/v1/batches/{batch_id}", api.get_batch),
         web.post("/v1/batches/{batch_id}/cancel", api.cancel_batch),
+        web.get("/v1/fleet", api.fleet),
+        web.get("/metrics", api.metrics),
         web.get("/health", api.health),
     ])
     return app

@@ -6,7 +6,10 @@
     in_progress  request_counts from the store (`Store.counts_in`: two range scans of the batch's span,
                  at most every COUNT_EVERY_S and only when the store changed) -> nothing pending ->
                  finalizing -> its files -> completed
-    validating   the oldest one: its file into the store (`validate`) -> in_progress, or failed
+    validating   the oldest one: its file into the store (`validate`), owned by its tenant at its
+                 priority, and the head woken -> in_progress, or failed
+    tenants      new weights into the store; the tenants' figures, the batches' ETAs, the metrics
+                 (`Tenancy.step`, at most every second)
 
 The thread's store connection never checkpoints inside a commit (`Store.checkpoint_later`): it
 checkpoints once a batch is in_progress or ended, when no client waits on it.
@@ -39,10 +42,14 @@ import redis
 from batchfleet.config import Config
 from batchfleet.errors import ErrorCode
 from batchfleet.keys import Keys
-from producer.api import Span, Store, cancel_prompts, cancelled_line, ensure_marker, write_export
+from producer.api import Span, Store, cancel_prompts, cancelled_line, ensure_marker, priority_level, write_export
 
+from .auth import ApiKeys
+from .fleet import TenantRow
 from .objects import OUTPUT_PURPOSE, BatchRecord, BatchStatus, FileRecord, derived_file_id
 from .registry import Registry
+from .tenancy import Tenancy
+from .tenants import DEFAULT_TENANT, priority_of
 from .validate import validate_into
 
 __all__ = ["COUNT_EVERY_S", "Engine", "Limits"]
@@ -61,7 +68,8 @@ class Limits:
 
 class Engine:
     def __init__(self, config: Config, registry: Registry, store_path: Path, r: redis.Redis, limits: Limits, *,
-                 queues: tuple[str, ...] = (), interval_s: float = 0.5) -> None:
+                 queues: tuple[str, ...] = (), interval_s: float = 0.5, keys: ApiKeys | None = None,
+                 on_rows: Callable[[list[TenantRow]], None] | None = None) -> None:
         self.config = config
         self.registry = registry
         self.store_path = store_path
@@ -78,6 +86,7 @@ class Engine:
         self._seen_version: dict[str, int] = {}
         self._said: set[str] = set()
         self.ready = threading.Event()  # the thread opened the store
+        self.tenancy = Tenancy(r, self.keys, registry, keys or ApiKeys([]), on_rows=on_rows)
 
     # --- the thread ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -144,6 +153,8 @@ class Engine:
         waiting = [b for b in todo if self.registry.batches[b.id].status is BatchStatus.VALIDATING]
         if waiting:
             self._validate(waiting[0])
+        assert self.store is not None
+        self.tenancy.step(self.store)  # weights into the store, the fleet's figures and ETAs
         return len(waiting) > 1
 
     # --- validating -> in_progress | failed -----------------------------------------------------------
@@ -156,8 +167,10 @@ class Engine:
             self.registry.update(b.id, lambda cur: _unless_final(cur, status=BatchStatus.FAILED, failed_at=now,
                                                                   errors=errors))
             return
+        level = priority_level(priority_of(b.metadata))
+        owner = (b.tenant or DEFAULT_TENANT, 1 if level is None else level)
         v = validate_into(self.store, b.id, b.endpoint, self.registry.file_path(b.input_file_id),
-                          max_requests=self.limits.max_requests, model=self.limits.model)
+                          max_requests=self.limits.max_requests, model=self.limits.model, owner=owner)
         if v.errors or v.span is None:
             log.info("batch %s failed validation: %s", b.id, v.errors[0]["message"] if v.errors else "?")
             self.registry.update(b.id, lambda cur: _unless_final(
@@ -175,6 +188,7 @@ class Engine:
                            total=v.prompts, model=v.model or cur.model)
 
         self.registry.update(b.id, started)
+        self.tenancy.stored()
         log.info("batch %s: %d request(s) validated into the store (seqs %d-%d)", b.id, v.prompts, span.lo, span.hi)
         self.store.checkpoint()
 
@@ -240,14 +254,19 @@ class Engine:
         stamps = {BatchStatus.COMPLETED: "completed_at", BatchStatus.CANCELLED: "cancelled_at",
                   BatchStatus.EXPIRED: "expired_at"}
 
+        changed = []
+
         def ended(cur: BatchRecord) -> BatchRecord | None:
             if cur.final:
                 return None
+            changed.append(cur.id)
             return replace(cur, status=final, **{stamps[final]: stamp}, **files, usage=usage,
                            total=counts.get("prompts", cur.total), completed=counts.get("succeeded", 0),
                            failed=counts.get("failed", 0))
 
-        self.registry.update(b.id, ended)
+        rec = self.registry.update(b.id, ended)
+        if changed and rec.status is BatchStatus.COMPLETED:
+            self.tenancy.ratio.add_batch(rec, self.registry.files.get(rec.input_file_id))
         self.store.checkpoint()
         log.info("batch %s %s: %d succeeded, %d failed%s", b.id, final, counts.get("succeeded", 0),
                  counts.get("failed", 0), taken)

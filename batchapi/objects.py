@@ -4,7 +4,9 @@ their records here.
 A `FileRecord` is an uploaded input file or an output/error file a batch wrote; a `BatchRecord` is a
 batch with its status, its timestamps and, once validated, where its prompts are in the store (the
 store's input id and the `Span` of seqs its prompts hold). Both belong to the key that made them
-(`owner`: the SHA-256 of that key, "" when the API runs without keys); nobody else sees them.
+(`owner`: the SHA-256 of that key, "" when the API runs without keys); nobody else sees them. A batch
+also records its key's tenant (`tenant`), whose share of the fleet it runs in; its API object does not
+show it (OpenAI's `Batch`, field by field).
 """
 
 from __future__ import annotations
@@ -64,6 +66,16 @@ class FileRecord:
     bytes: int
     purpose: str
     created_at: int
+    # Counted at upload, for the quotas: its lines that may be requests, and the bytes of their
+    # conversations (each body's `messages` or `prompt` as JSON). None: not counted (an older upload).
+    requests: int | None = None
+    prompt_bytes: int | None = None
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> FileRecord:
+        """A stored record; a field this serve does not know (a newer one wrote it) is ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in known})
 
     def to_api(self) -> dict[str, Any]:
         """`openai.types.FileObject`."""
@@ -102,6 +114,7 @@ class BatchRecord:
     input_id: int | None = None
     lo: int | None = None
     hi: int | None = None
+    tenant: str | None = None  # its key's tenant when it was created (None: made before tenants, "default")
     extra: dict[str, Any] = field(default_factory=dict)  # fields a newer serve wrote: kept, not shown
 
     @property

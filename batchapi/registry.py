@@ -31,6 +31,7 @@ import orjson
 from batchfleet.redact import private_dir
 
 from .objects import BatchRecord, FileRecord
+from .quota import Tally
 
 __all__ = ["Registry", "Upload"]
 
@@ -58,7 +59,7 @@ class Registry:
         self.files: dict[str, FileRecord] = {}
         self.batches: dict[str, BatchRecord] = {}  # in creation order
         for (doc,) in self.db.execute("SELECT doc FROM files ORDER BY rowid"):
-            rec = FileRecord(**orjson.loads(doc))
+            rec = FileRecord.from_doc(orjson.loads(doc))
             self.files[rec.id] = rec
         for (doc,) in self.db.execute("SELECT doc FROM batches ORDER BY n"):
             b = BatchRecord.from_json(doc)
@@ -162,6 +163,11 @@ class Registry:
         with self._mem:
             return [b for b in (self.batches[i] for i in reversed(self._order)) if b.owner == owner]
 
+    def all_batches(self, start: int = 0) -> list[BatchRecord]:
+        """Every batch, oldest first; from the `start`-th made on (those made since a caller looked)."""
+        with self._mem:
+            return [self.batches[i] for i in self._order[start:]]
+
     def unfinished(self) -> list[BatchRecord]:
         """Every batch not in a final state, oldest first."""
         with self._mem:
@@ -179,21 +185,26 @@ class Upload:
         self.tmp = registry.temp_path(file_id)
         self.lock = threading.Lock()
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.tally = Tally()  # its requests and their conversations' bytes, for the quotas
 
     def write(self, data: bytes | bytearray) -> None:
         with self.lock:
             view = memoryview(data)
             while view:
                 view = view[os.write(self.fd, view):]
+            self.tally.feed(data)
 
-    def keep(self, rec: FileRecord) -> None:
-        """The bytes synced and in place, the record committed: from here a `kill -9` loses nothing."""
+    def keep(self, rec: FileRecord) -> FileRecord:
+        """The bytes synced and in place, the record committed (with the upload's counts): from here a
+        `kill -9` loses nothing. Returns the record."""
         with self.lock:
+            rec.requests, rec.prompt_bytes = self.tally.close()
             os.fsync(self.fd)
             os.close(self.fd)
             self.fd = -1
             os.replace(self.tmp, self.registry.file_path(rec.id))
             self.registry.add_file(rec)
+            return rec
 
     def discard(self) -> None:
         """Drop what was not kept (nothing, after `keep`)."""
@@ -206,4 +217,4 @@ class Upload:
 
 def _file_doc(rec: FileRecord) -> dict[str, object]:
     return {"id": rec.id, "owner": rec.owner, "filename": rec.filename, "bytes": rec.bytes, "purpose": rec.purpose,
-            "created_at": rec.created_at}
+            "created_at": rec.created_at, "requests": rec.requests, "prompt_bytes": rec.prompt_bytes}

@@ -4,8 +4,10 @@ SIGINT/SIGTERM.
 The API owns ONE run of the fleet (`--run`, default `serve`): every batch's prompts go into that run's
 store as one input each, under `<batch id>:<custom_id>`. Workers, the head and the supervisor serve
 that run exactly as they serve any other (its keys `bf:<run>:...`, its queues `<run>.gpuN` or those
-given), so nothing of them knows about batches. The store is told to feed an older batch's prompts
-before a newer one's (`Store.order_feed_by_input`): batches share the fleet in creation order.
+given), so nothing of them knows about batches. The store is told to feed by input
+(`Store.order_feed_by_input`), and each batch is stored owned by its tenant at its priority: the head
+shares the fleet between tenants by weight, high first, each tenant's batches in creation order
+(producer/share.py). The tenants file is read again on SIGHUP (`reload_tenants`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import errno
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +30,13 @@ from batchfleet.config import Config
 from producer.api import Access, StoreError, ensure_marker, locate, repair_if_lost
 
 from .app import MB, make_app
-from .auth import ApiKeys
+from .auth import ApiKeys, AuthError
 from .engine import Engine, Limits
+from .fleet import TenantRow
 from .registry import Registry
+from .tenancy import Tenancy
 
-__all__ = ["ServeError", "ServeOptions", "prepare_store", "serve_api"]
+__all__ = ["ServeError", "ServeOptions", "prepare_store", "reload_tenants", "serve_api"]
 
 log = logging.getLogger("batchfleet.serve")
 GIL_SWITCH_S = 0.02
@@ -71,8 +76,12 @@ def prepare_store(config: Config, r: redis.Redis, queues: tuple[str, ...]) -> Pa
 
 
 def serve_api(config: Config, r: redis.Redis, keys: ApiKeys, options: ServeOptions, *,
-              tick: Callable[[], bool] | None = None, on_ready: Callable[[str], None] | None = None) -> int:
-    """Serve until SIGINT/SIGTERM (or until `tick`, called every second, returns False). Returns 0."""
+              tick: Callable[[], bool] | None = None, on_ready: Callable[[str], None] | None = None,
+              on_rows: Callable[[list[TenantRow]], None] | None = None, hup: threading.Event | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (or until `tick`, called every second, returns False). Returns 0.
+    SIGHUP reads the tenants file again (`reload_tenants`). `on_rows`: the tenants' rows for a screen,
+    from the engine's thread when they change (at most every fleet.SCREEN_EVERY_S). `hup`: set by a SIGHUP
+    that came while serve was starting; the file is read again once the API serves."""
     store_path = prepare_store(config, r, options.queues)
     # The engine's thread validates batches (CPU-bound Python) while the API's loop answers polls: at
     # the default 5 ms a poll every 10 ms made a 50,000-line validation take 1.45 s instead of 1.0 s
@@ -80,12 +89,13 @@ def serve_api(config: Config, r: redis.Redis, keys: ApiKeys, options: ServeOptio
     sys.setswitchinterval(GIL_SWITCH_S)
     registry = Registry(config.state_dir, config.run)
     limits = Limits(max_requests=options.max_requests, window_s=options.window_s, model=options.model)
-    engine = Engine(config, registry, store_path, r, limits, queues=options.queues)
+    engine = Engine(config, registry, store_path, r, limits, queues=options.queues, keys=keys, on_rows=on_rows)
     engine.start()
     engine.ready.wait(60)
     try:
-        app = make_app(registry, engine, keys, limits, max_upload_bytes=options.max_upload_bytes)
-        _run_loop(_serve(app, options, tick, on_ready))
+        app = make_app(registry, engine, limits, max_upload_bytes=options.max_upload_bytes)
+        early = hup or threading.Event()
+        _run_loop(_serve(app, options, tick, on_ready, lambda: reload_tenants(engine.tenancy), early))
     finally:
         engine.stop()
         registry.close()
@@ -102,12 +112,41 @@ def _run_loop(main: object) -> None:
         runner.run(main)  # type: ignore[arg-type]
 
 
+def reload_tenants(tenancy: Tenancy) -> None:
+    """SIGHUP: the tenants file read again and in force, or, when it cannot be used, the tenants loaded
+    before kept and one line saying why (never the file's content)."""
+    old = tenancy.api_keys
+    if old.tenants_file is None:
+        log.info("SIGHUP: no tenants file to read again (--tenants, BATCHFLEET_TENANTS_FILE)")
+        return
+    try:
+        new = old.reloaded()
+    except AuthError as exc:
+        log.warning("SIGHUP: %s; keeping the %d tenant(s) loaded before", exc, len(old.by_name))
+        return
+    tenancy.use(new)
+    log.info("SIGHUP: tenants file %s read again: %d tenant(s), %d key(s)", new.tenants_file, len(new.by_name),
+             len(new))
+
+
 async def _serve(app: web.Application, options: ServeOptions, tick: Callable[[], bool] | None,
-                 on_ready: Callable[[str], None] | None) -> None:
+                 on_ready: Callable[[str], None] | None, reload: Callable[[], None], early: threading.Event) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    reloads: set[asyncio.Future[None]] = set()
+
+    def on_hup() -> None:  # the file is read in a thread: no disk on the loop
+        task = asyncio.ensure_future(asyncio.to_thread(reload))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    before = signal.getsignal(signal.SIGHUP)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    if early.is_set():  # a SIGHUP while serve was starting
+        early.clear()
+        on_hup()
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
@@ -127,5 +166,7 @@ async def _serve(app: web.Application, options: ServeOptions, tick: Callable[[],
                 break
     finally:
         await runner.cleanup()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        if callable(before) or before == signal.SIG_IGN:  # while the fleet stops, a SIGHUP is what it was
+            signal.signal(signal.SIGHUP, before)

@@ -9,8 +9,9 @@ MAX_ERRORS) with their numbers and OpenAI's codes, and nothing of the file is st
 The prompts go into the store in ONE write transaction: a crash leaves the whole batch or none of
 it, and its prompts hold consecutive seqs (the batch's `Span`). Each is stored under
 `<batch id>:<custom_id>`, so two batches may use the same custom_ids; the store records the batch as
-one input (its id, the file's path and the fingerprint of its requests). A batch whose prompts are in
-the store already (serve restarted after the commit) is found there, not stored twice.
+one input (its id, the file's path and the fingerprint of its requests), owned by its tenant at its
+priority (`Store.shares`, in the same transaction). A batch whose prompts are in the store already
+(serve restarted after the commit) is found there, not stored twice.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ class Validated:
 
 
 def validate_into(store: Store, batch_id: str, endpoint: str, path: Path, *, max_requests: int,
-                  model: str) -> Validated:
+                  model: str, owner: tuple[str, int] | None = None) -> Validated:
     """Validate the file at `path` as batch `batch_id`'s input and store its prompts (see the module
-    doc). `model`: body.model of a line without one."""
+    doc). `model`: body.model of a line without one. `owner`: (tenant, priority) of the batch, stored
+    with its prompts: the head shares the fleet between tenants from its first feed of them."""
     whole = enqueue_whole(store, path, name=batch_id, prefix=batch_id + ":", url=endpoint, model=model,
-                          max_requests=max_requests, max_problems=MAX_ERRORS)
+                          max_requests=max_requests, max_problems=MAX_ERRORS, owner=owner)
     return Validated(input_id=whole.input_id, span=whole.span, prompts=whole.prompts, model=whole.model,
                      errors=[_error(p) for p in whole.problems])
 

@@ -120,6 +120,9 @@ class Config:
     # line, mode 0600). Secrets: never shown; the API keeps only their SHA-256.
     api_keys: tuple[str, ...] = ()
     api_keys_file: Path | None = None
+    # `batchfleet serve`'s tenants (keys as SHA-256, weights, quotas, priorities): a TOML file, mode 0600,
+    # read at start and on SIGHUP (docs/api.md).
+    tenants_file: Path | None = None
 
     def __post_init__(self) -> None:
         problem = redis_url_problem(self.redis_url)
@@ -142,6 +145,9 @@ class Config:
             re.compile(self.queue_pattern)
         except re.error as exc:
             raise ConfigError(f"queue_pattern {self.queue_pattern!r} is not a regular expression: {exc}") from None
+        if self.tenants_file is not None and self.tenants_file.suffix != ".toml":
+            raise ConfigError(f"tenants_file {str(self.tenants_file)!r}: the tenants file is TOML and its name ends "
+                              "in .toml (docs/api.md)")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ConfigError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         for name in ("lease_ttl_s", "status_interval_s", "health_interval_s", "request_timeout_s", "startup_timeout_s"):

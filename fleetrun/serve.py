@@ -7,8 +7,12 @@ this fleet (batchapi/, docs/api.md).
     3. With --gpus: this host's workers, the head and the autopilot, started as `batchfleet run` starts
        them (fleetrun.launch). Without: the head only; workers started elsewhere with
        BATCHFLEET_RUN=<run> serve it (the multi-host recipe).
-    4. The API until SIGINT/SIGTERM, one line per supervisor decision or server restart; a head that
-       exits is started again. Then the workers drain (they hand back what they hold) and stop.
+    4. The API until SIGINT/SIGTERM, one line per supervisor decision or server restart, and the tenants'
+       rows (share, weight, queued, done) when they change; a head that exits is started again; SIGHUP
+       reads the tenants file (--tenants) again. Then the workers drain (they hand back what they hold)
+       and stop.
+
+`batchfleet serve hash-key` prints the SHA-256 of the API key on stdin, as the tenants file keeps it.
 
 Exit status: 0 stopped by SIGINT/SIGTERM; 2 usage, configuration, Redis, store or I/O error, a port
 in use, an open API on a non-loopback address; 3 another `batchfleet serve` or `batchfleet run` of
@@ -24,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import getpass
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,11 +75,13 @@ from .lease import SERVE, LaunchLease
 
 if TYPE_CHECKING:
     from batchapi import ApiKeys, ServeOptions
+    from batchapi.fleet import TenantRow
 
 __all__ = ["add_parser", "main"]
 
 DEFAULT_RUN = "serve"
 RESTART_AFTER_S = 5.0  # a head that exited is started again after this
+HUP = threading.Event()  # a SIGHUP came before the API served (or while the fleet stops): ignored then
 
 
 def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
@@ -91,6 +99,11 @@ def add_parser(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser)
                         ".batchfleet)")
     s.add_argument("--api-keys-file", type=Path, metavar="FILE",
                    help="bearer API keys, one a line, mode 0600 (also: BATCHFLEET_API_KEYS, comma-separated)")
+    s.add_argument("--tenants", type=Path, metavar="FILE",
+                   help="the tenants file (TOML, mode 0600): keys as SHA-256, weights, quotas, priorities; read again "
+                        "on SIGHUP (also: BATCHFLEET_TENANTS_FILE)")
+    s.add_argument("action", nargs="?", choices=("hash-key",),
+                   help="hash-key: print the SHA-256 of the API key read from stdin, for the tenants file")
     s.add_argument("--model", metavar="NAME",
                    help="body.model of a request without one (default: BATCHFLEET_MODEL_PATH, else 'default')")
     s.add_argument("--max-upload-mb", type=positive(), default=200.0, metavar="MB",
@@ -113,6 +126,7 @@ def main(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, interrupt)  # while starting, SIGTERM is a Ctrl-C: cleanup runs
+    old_hup = signal.signal(signal.SIGHUP, lambda _sig, _frame: HUP.set())  # read again once serving
     try:
         return _serve(args)
     except BrokenPipeError:
@@ -124,13 +138,28 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGHUP, old_hup)
+
+
+def _hash_key() -> int:
+    """`batchfleet serve hash-key`: the SHA-256 of the key on stdin (asked without echo on a terminal)."""
+    from batchapi.auth import key_hash
+
+    key = getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.read()
+    key = key.strip()
+    if not key or any(c.isspace() or ord(c) < 33 for c in key):
+        raise UsageError("hash-key: give one API key on stdin (no space or control character in it)")
+    print(key_hash(key))
+    return EXIT_OK
 
 
 def _serve(args: argparse.Namespace) -> int:
     from batchapi import ApiKeys, AuthError, ServeOptions, check_exposure
 
+    if args.action == "hash-key":
+        return _hash_key()
     run = args.run or os.environ.get("BATCHFLEET_RUN") or DEFAULT_RUN
-    config = Config.from_env(run=run, redis_url=args.redis_url, state_dir=args.state_dir)
+    config = Config.from_env(run=run, redis_url=args.redis_url, state_dir=args.state_dir, tenants_file=args.tenants)
     if args.port == 0:
         raise UsageError("--port 0: give the port the API listens on (1-65535)")
     try:
@@ -185,13 +214,23 @@ def _serve_leased(args: argparse.Namespace, config: Config, r: redis.Redis, keys
         _say(f"run {run}: {started}; logs in {logs}"
              + ("" if groups else f"; workers elsewhere serve it: BATCHFLEET_RUN={run} rq worker <host>.gpuN"))
         auth = f"{len(keys)} API key(s)" if keys.enabled else "no API key (loopback only)"
-        serve_api(config, r, keys, options, tick=watch.tick,
+        if keys.tenants_file is not None:
+            auth += f", {len(keys.by_name)} tenant(s) (SIGHUP reads {keys.tenants_file} again)"
+        serve_api(config, r, keys, options, tick=watch.tick, on_rows=_tenant_rows, hup=HUP,
                   on_ready=lambda where: _say(f"the OpenAI Batch API at {where} ({auth}); Ctrl-C stops"))
     except ServeError as exc:
         raise UsageError(str(exc)) from None
     finally:
         _stop(procs, config)
     return EXIT_OK
+
+
+def _tenant_rows(rows: list[TenantRow]) -> None:
+    """The screen's tenant rows: share of the output tokens over the last minute, weight, queued, done."""
+    width = max(len(t.name) for t in rows)
+    _say("tenants: share (output tokens, last minute), weight, requests queued, done")
+    for t in rows:
+        _say(f"  {t.name:<{width}}  share {t.share:4.0%}  weight {t.weight:g}  queued {t.queued:,}  done {t.done:,}")
 
 
 def _check_port(host: str, port: int) -> None:

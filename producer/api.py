@@ -13,6 +13,8 @@ and the scripts use of the producer, and all they may use (tests/test_layout.py 
     results               collect_once (the workers' results into the store); export, write_export,
                           write_empty, check_target, ExportError (the OpenAI batch output file)
     taking work back      cancel_prompts, cancelled_line (a span's prompts cancelled, their lines)
+    a shared fleet        priority_level (a batch's priority by name), read_tenants (each tenant's figures the
+                          head published); an input's owner: enqueue_whole(owner=...)
     watching              gather_progress (the figures of a progress line), cache_text (the radix
                           caches' line), cannot_serve (what to
                           say of a worker whose server cannot serve)
@@ -42,8 +44,10 @@ from .feed import FeedSummary, feed_pass
 from .inputs import Lines, MissingExtra, input_problem
 from .locate import Access, Located, NoStore, ensure_marker, locate
 from .recover import _take_failed, recover
+from .share import PRIORITIES
 from .status import cache_text, cannot_serve, gather_progress
 from .store import Span, Store, StoreError
+from .tenants import read_tenants
 
 __all__ = [
     "Access",
@@ -75,6 +79,8 @@ __all__ = [
     "gather_progress",
     "input_problem",
     "locate",
+    "priority_level",
+    "read_tenants",
     "repair_if_lost",
     "write_empty",
     "write_export",
@@ -99,6 +105,12 @@ def repair_if_lost(config: Config, r: redis.Redis, loc: Located) -> None:
         print(f"producer: Redis lost the data of run {config.run} (no marker {Keys(config.run).meta}): requeued "
               f"{s.requeued:,} prompt(s) from the store ({s.lost:,} lost, {s.foreign:,} failed by a foreign "
               f"worker; {s.in_redis:,} still in Redis)", file=sys.stderr)
+
+
+def priority_level(name: str) -> int | None:
+    """The level of a batch's priority by name as the head's feed orders them (high 0, normal 1, low 2:
+    the lowest first), or None for a name it does not know."""
+    return PRIORITIES.get(name)
 
 
 def enqueue(config: Config, r: redis.Redis, path: str | Path, *, queues: tuple[str, ...] = (),

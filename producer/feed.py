@@ -42,6 +42,7 @@ __all__ = ["DrainMeter", "FeedSummary", "Feeder", "feed_pass", "window_target"]
 
 FEED_BATCH = 2000  # prompts per store transaction and Lua call
 SHARE_CHUNK = 128  # ... while several tenants of one priority have work: the share's grain
+SHARE_BLIND = 16  # a shared queue before anything is known of it (no live worker, nothing drained yet)
 
 
 class DrainMeter:
@@ -78,9 +79,10 @@ def window_target(config: Config, capacity: int, rate: float, *, shared: bool = 
     `producer.share`) `share_window_s` of its drain rate once that is known: what the servers run
     follows the feed's choices within seconds (a batch of a tenant who was idle does not wait behind
     a minute of another's work), at the price of a window that lasts seconds, not a minute, when the
-    head stops."""
+    head stops. Before anything is known of a shared queue, SHARE_BLIND: what is fed is out of the
+    share's hands, and nothing runs before a worker reports anyway."""
     if capacity <= 0 and rate <= 0:
-        return config.window_default
+        return min(config.window_default, SHARE_BLIND) if shared else config.window_default
     if shared and rate > 0:
         return max(1, min(config.window_max, max(capacity // 4, math.ceil(config.share_window_s * rate))))
     return max(1, min(config.window_max, max(2 * capacity, math.ceil(config.window_s * rate))))

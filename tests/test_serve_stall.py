@@ -18,7 +18,6 @@ import redis
 from aiohttp import web
 
 from batchapi.app import make_app
-from batchapi.auth import ApiKeys
 from batchapi.engine import Engine, Limits
 from batchapi.registry import Registry
 from batchfleet.config import Config
@@ -53,7 +52,7 @@ def api(state: Path, redis_url: str, run: str, *, max_upload_bytes: int) -> tupl
     registry = Registry(state, run)
     limits = Limits()
     engine = Engine(config, registry, state / f"{run}.sqlite", redis.Redis.from_url(redis_url), limits)
-    return registry, make_app(registry, engine, ApiKeys([]), limits, max_upload_bytes=max_upload_bytes)
+    return registry, make_app(registry, engine, limits, max_upload_bytes=max_upload_bytes)
 
 
 def test_a_poll_is_answered_at_once_while_a_large_upload_is_being_synced_to_disk(

@@ -103,6 +103,9 @@ def test_a_shared_fleet_keeps_seconds_of_work_per_queue() -> None:
     assert window_target(c, 72, 8.5, shared=True) == 34  # 4 s of it
     assert window_target(c, 72, 0.5, shared=True) == 18  # never under a quarter of the capacity
     assert window_target(c, 72, 0.0, shared=True) == 144  # nothing finished yet: fill the servers
+    # no worker has reported yet (serve just started): a chunk, not window_default, or the first batch
+    # would be fed whole before the share could weigh it against the next
+    assert window_target(c, 0, 0.0) == c.window_default and window_target(c, 0, 0.0, shared=True) == 16
 
 
 # --- the feed, on a real Redis -----------------------------------------------------------------------

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from .objects import BatchRecord, BatchStatus, FileRecord
 from .tenants import DEFAULT_TENANT, Tenant
 
@@ -42,16 +40,19 @@ CHUNK = 1 << 20
 YIELD_EVERY = 256  # lines counted between two offers of the GIL (~1 ms)
 
 
+_CONVERSATION = (b'"messages"', b'"prompt"', b'"input"')
+
+
 def conversation_bytes(line: bytes) -> int:
-    """Bytes of a request line's conversation: its body's `messages` (or `prompt`) as JSON; the whole
-    line when it is no request (validation refuses it later)."""
-    try:
-        d = orjson.loads(line)
-        body = d.get("body") if isinstance(d, dict) else None
-        part = body.get("messages", body.get("prompt")) if isinstance(body, dict) else None
-    except orjson.JSONDecodeError:
-        part = None
-    return len(line) if part is None else len(orjson.dumps(part))
+    """Bytes of a request line from its conversation on (its body's `messages`, `prompt` or `input` to
+    the end of the line; the whole line when it has none: validation refuses it later). No JSON is
+    parsed: what is counted is calibrated by the measured bytes per token (`TokenRatio`), which counts
+    the same way."""
+    for key in _CONVERSATION:
+        at = line.find(key)
+        if at >= 0:
+            return len(line.rstrip()) - at
+    return len(line)
 
 
 class Tally:

@@ -201,7 +201,8 @@ def test_a_batch_asks_a_priority_its_tenant_may_use_and_get_shows_it_as_sent_in_
 def test_a_batch_over_its_tenants_quota_is_refused_at_creation_with_the_figures_and_nothing_is_stored(
         tmp_path: Path, redis_url: str) -> None:
     lines = batch_lines(40)
-    size = sum(len(orjson.dumps(x["body"]["messages"])) for x in lines)  # its conversations' bytes
+    raw = [orjson.dumps(x) for x in lines]
+    size = sum(len(r) - r.find(b'"messages"') for r in raw)  # its lines from their conversations on
     tokens = round(size / 4)  # nothing measured yet: 4 bytes per token
     path = two_tenants(tmp_path / "tenants.toml", alpha=f"max_queued_prompt_tokens = {tokens * 2 - 1}",
                        beta="max_queued_requests = 50")

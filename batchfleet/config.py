@@ -112,6 +112,10 @@ class Config:
     # halves every share_half_life_s (how long one that was idle may have the fleet before sharing).
     share_window_s: float = 4.0
     share_half_life_s: float = 300.0
+    # Start servers with --enable-priority-scheduling --disable-priority-preemption, and send a shared
+    # fleet's high-priority prompts with a request priority: the server runs them before those waiting
+    # in its own queue, never preempting one that runs (`batchfleet serve` turns it on for its workers).
+    priority_scheduling: bool = False
 
     # A finished run's keys (every prompt has its result in the store) expire after this (see producer.ends).
     finished_ttl_s: int = FINISHED_TTL_S

@@ -59,7 +59,7 @@ def job_id_for(run: str, cid: str) -> str:
     return "bf-" + hashlib.blake2b(f"{run}\0{cid}".encode(), digest_size=12).hexdigest()
 
 
-def prompt_wire(cid: str, seq: int, url: str, body: Any, *, src: str = "", fp: str = "",
+def prompt_wire(cid: str, seq: int, url: str, body: Any, *, src: str = "", fp: str = "", pri: int = 0,
                 run: str = "") -> dict[str, Any]:
     """A prompt record as it travels in a job (`records.Prompt.from_dict` reads it back). `body` may be
     an `orjson.Fragment` (the head splices in the body as the store holds it). Empty fields are left
@@ -69,6 +69,8 @@ def prompt_wire(cid: str, seq: int, url: str, body: Any, *, src: str = "", fp: s
         d["src"] = src
     if fp:
         d["fp"] = fp
+    if pri:
+        d["pri"] = pri
     if run:
         d["run"] = run
     return d

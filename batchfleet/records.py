@@ -119,6 +119,7 @@ class Prompt:
     src: str = ""  # "file:line", for messages
     run: str = ""  # the run it belongs to: its result goes to that run's stream, so a worker checks it
     fp: str = ""  # the request's fingerprint (hex, from the store): its Result echoes it, see Result.fp
+    pri: int = 0  # 1: a shared fleet's high-priority batch (sent with a request priority, see worker.runner)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Prompt:

@@ -219,10 +219,14 @@ def queues_of(run: str, groups: list[tuple[int, ...]]) -> tuple[str, ...]:
 
 
 def start_fleet(procs: Procs, config: Config, groups: list[tuple[int, ...]], *, supervisor: bool = True,
-                dry_run: bool = False, head_interval_s: float = 1.0, fresh_start: bool = False) -> str:
+                dry_run: bool = False, head_interval_s: float = 1.0, fresh_start: bool = False,
+                priority: bool = False) -> str:
     """Start a worker per GPU group, the head and (with `supervisor`) the autopilot, as the config's run.
-    Returns what was started, in words."""
+    `priority`: the servers schedule by request priority (a shared fleet's high batches; unless
+    BATCHFLEET_PRIORITY_SCHEDULING says otherwise). Returns what was started, in words."""
     env = child_env(config, config.redis_url, config.run)
+    if priority:
+        env.setdefault("BATCHFLEET_PRIORITY_SCHEDULING", "1")
     for group, queue in zip(groups, queues_of(config.run, groups), strict=True):
         label = group_label(group)
         procs.workers[label] = procs.start(f"worker-{label}", [exe("rq"), "worker", queue], env)

@@ -210,7 +210,7 @@ def _serve_leased(args: argparse.Namespace, config: Config, r: redis.Redis, keys
     watch = _Watch(procs, r, Keys(run), config, groups)
     try:
         started = start_fleet(procs, config, groups, supervisor=bool(groups) and not args.no_supervisor,
-                              dry_run=args.dry_run)
+                              dry_run=args.dry_run, priority=True)
         _say(f"run {run}: {started}; logs in {logs}"
              + ("" if groups else f"; workers elsewhere serve it: BATCHFLEET_RUN={run} rq worker <host>.gpuN"))
         auth = f"{len(keys)} API key(s)" if keys.enabled else "no API key (loopback only)"

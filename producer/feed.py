@@ -222,7 +222,7 @@ class Feeder:
             for unit in units:
                 for row, grp in unit:
                     argv += (job_data(prompt_wire(row.cid, row.seq, row.url, orjson.Fragment(row.body), fp=row.fp,
-                                                  run=run)), grp)
+                                                  pri=1 if front else 0, run=run)), grp)
                     jobs.append(Keys.job(job_id_for(run, row.cid)))
         predicted = [self.predicted.get(q, (0, 0)) for q in dealt]
         added, present, *per_queue = FEED.call(

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hashlib
 import math
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class Request:
     cached_tokens: int = 0  # reused at the first prefill (meta_info; a retracted request keeps it)
     generated: int = 0
     state: str = "waiting"  # waiting | running | finished | aborted
+    priority: int | None = None  # the request's `priority` (priority scheduling)
     abort_message: str | None = None
     abort_status: int = 200
     retractions: int = 0
@@ -119,6 +121,10 @@ class EngineConfig:
     prefill_max_requests: int | None = None  # --prefill-max-requests
     lora: Registry | None = None  # LoRA on: the adapters (the server's) and the pool's shapes
     lora_load_s: Any = None  # lora_id -> model seconds one load into a slot costs
+    # --enable-priority-scheduling: the waiting queue in (priority, arrival) order, higher values first
+    # unless --schedule-low-priority-values-first; a request without one gets the lowest
+    priority_scheduling: bool = False
+    low_priority_first: bool = False
 
     def cache_config(self) -> CacheConfig:
         chunk = self.plan.chunked_prefill_size
@@ -571,7 +577,23 @@ class Engine:
             if self.cfg.lora is not None:  # a LoRA server's rows name the adapter too
                 req.log_entry.append(req.adapter)
             self.request_log.append(req.log_entry)
-        rank.waiting.append(req)
+        if self.cfg.priority_scheduling:
+            self._queue_by_priority(rank, req)
+        else:
+            rank.waiting.append(req)
+
+    def _queue_by_priority(self, rank: Rank, req: Request) -> None:
+        """SGLang 0.5.23's FCFS with priority scheduling (`SchedulePolicy._sort_by_priority_and_fcfs`:
+        the waiting queue sorted by priority, then arrival): behind every request of its priority or a
+        better one. A request without a priority gets the worst (`_set_or_validate_priority`)."""
+        sign = 1 if self.cfg.low_priority_first else -1
+        if req.priority is None:
+            req.priority = sys.maxsize if self.cfg.low_priority_first else -sys.maxsize - 1
+        key = sign * req.priority
+        at = len(rank.waiting)
+        while at > 0 and sign * (rank.waiting[at - 1].priority or 0) > key:
+            at -= 1
+        rank.waiting.insert(at, req)
 
     def on_admitted(self, req: Request) -> None:
         self.peak_running = max(self.peak_running, self.running)

@@ -159,7 +159,9 @@ async def _serve(state: ServerState, radix: bool, faults: Faults, argv: list[str
                        page_size=int(flags.get("page_size") or 1),
                        track_interval=int(flags.get("mamba_track_interval") or 256),
                        embedding=state.kind.is_embedding, prefill_max_requests=flags.get("prefill_max_requests"),
-                       lora=state.lora, lora_load_s=_load_cost(state))
+                       lora=state.lora, lora_load_s=_load_cost(state),
+                       priority_scheduling=bool(flags.get("enable_priority_scheduling")),
+                       low_priority_first=bool(flags.get("schedule_low_priority_values_first")))
     engine = Engine(cfg, faults=faults, metrics=metrics)
     if os.environ.get("SGLANG_SIM_RECORD_REQUESTS") == "1":
         engine.request_log = []

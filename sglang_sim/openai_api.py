@@ -93,6 +93,7 @@ class OpenAIRoutes:
             reqs = [srv.make_request(p, params, rid=f"{base}" if len(prompts) * n == 1 else f"{base}_{i}_{j}",
                                      endpoint=endpoint, index=j, openai=True, adapter=adapters[i])
                     for i, p in enumerate(prompts) for j in range(n)]
+            srv.set_priority(reqs, body.get("priority"))
             srv.adapters.hold(reqs)
             if body.get("stream"):
                 return await self._stream(request, reqs, chat=chat, model=model, base=base)

@@ -121,6 +121,20 @@ class SimServer:
         return Request(rid=rid, prompt_words=words, output_words=out, finish_reason=finish,
                        matched_stop=matched, endpoint=endpoint, internal=internal, adapter=name, lora_id=lora_id)
 
+    def set_priority(self, reqs: list[Request], value: Any) -> None:
+        """A request's `priority` (an int; anything else is left out). Used only with
+        --enable-priority-scheduling; without it, --abort-on-priority-when-disabled refuses it with
+        0.5.23's abort (503), else it is ignored (`Scheduler._set_or_validate_priority`)."""
+        if not isinstance(value, int) or isinstance(value, bool):
+            return
+        if not self.engine.cfg.priority_scheduling:
+            if self.state.flags.get("abort_on_priority_when_disabled"):
+                raise RequestError(503, "Using priority is disabled for this server. Please send a new request "
+                                        "without a priority.")
+            return
+        for r in reqs:
+            r.priority = value
+
     async def submit_and_wait(self, reqs: list[Request]) -> None:
         """Queue the requests and wait; a client that goes away aborts them (handler cancellation).
 
@@ -213,6 +227,7 @@ class SimServer:
                         base = rid if (rid and not batch and n == 1) else f"{rid or uuid.uuid4().hex}_{i}_{j}"
                     reqs.append(self.make_request(prompt, params, rid=base, endpoint="/generate", index=j,
                                                   adapter=adapters[i]))
+            self.set_priority(reqs, body.get("priority"))
             self.adapters.hold(reqs)
             if body.get("stream"):
                 return await self._stream_native(request, reqs)

@@ -164,3 +164,11 @@ def test_server_shape_of_a_built_command_line(cli_0523):
     # the worker of a group adds the size itself
     assert server_shape(build_argv(cfg(), cli_0523, port=30000, gpus=(0, 1, 2, 3))) == "tp4"
     assert server_shape(build_argv(cfg(), cli_0523, port=30000)) == "tp1"
+
+
+def test_priority_scheduling_starts_the_server_ordering_its_queue_by_priority_without_preemption(cli_0523):
+    assert "--enable-priority-scheduling" not in build_argv(cfg(), cli_0523, port=30000)
+    argv = build_argv(cfg(priority_scheduling=True), cli_0523, port=30000)
+    assert "--enable-priority-scheduling" in argv and "--disable-priority-preemption" in argv
+    with pytest.raises(ConfigError, match="--enable-priority-scheduling"):  # a server that does not know it
+        build_argv(cfg(priority_scheduling=True), ServerCLI.from_help(LEGACY_HELP), port=30000)

@@ -22,6 +22,8 @@ __all__ = ["ServerCLI", "build_argv", "parallel_flags", "read_server_cli", "serv
 
 NEW_STRATEGY_FLAG = "--mamba-radix-cache-strategy"  # 0.5.22+
 OLD_STRATEGY_FLAG = "--mamba-scheduler-strategy"  # before 0.5.22
+# A request's `priority` orders the server's waiting queue (higher first); nothing running is preempted.
+PRIORITY_FLAGS = ["--enable-priority-scheduling", "--disable-priority-preemption"]
 # Tensor parallelism, spelled as the server's --help lists it (0.5.23: `--tp-size`, alias
 # `--tensor-parallel-size`); the other sizes only as the user gives them in BATCHFLEET_SERVER_ARGS.
 TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
@@ -156,6 +158,8 @@ def build_argv(config: Config, cli: ServerCLI, *, port: int, strategy: Strategy 
     if config.server_api_key:
         want += ["--api-key", config.server_api_key]
     want += strategy_flags(strategy or config.strategy, cli)
+    if config.priority_scheduling:
+        want += PRIORITY_FLAGS
     extra = config.server_argv_extra
     for token in extra:
         flag = token.split("=", 1)[0]

@@ -9,7 +9,8 @@ not this run's to run (RQ's failed registry, no result). A prompt with two strik
 the others in flight have finished, then runs alone.
 
 Each request carries the SGLang request id `<job id>-<session>-<attempt>` (`rid`, which SGLang's
-OpenAI endpoints take), so a cancel can abort it in the server.
+OpenAI endpoints take), so a cancel can abort it in the server; a shared fleet's high-priority prompt
+also its `priority`, when its server schedules by priority (BATCHFLEET_PRIORITY_SCHEDULING).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class PromptRunner:
                  outcomes: Outcomes, judge: Judge) -> None:
         self.config = config
         self.run_name = config.run
+        # its server orders its waiting queue by request priority (started so, or asked in its arguments)
+        self.priority = config.priority_scheduling or "--enable-priority-scheduling" in config.server_argv_extra
         self.ledger = ledger
         self.server = server
         self.board = board
@@ -71,6 +74,8 @@ class PromptRunner:
                 flight.sent_at = time.monotonic()
                 rid = flight.rid = f"{claim.jid}-{self.ledger.session}-{flight.attempts}"
                 prompt.body["rid"] = rid  # the body is this flight's own (decoded from its job)
+                if prompt.pri and self.priority:
+                    prompt.body["priority"] = prompt.pri  # ahead of the server's waiting queue
                 try:
                     client = self.server.client
                     if client is None:

@@ -7,7 +7,8 @@ own user, `REDIS_URL=redis://worker:PASSWORD@redis.internal:6379/0`:
 
 - producer (`producer enqueue/export/collect/recover`) and head (`producer head`, the collector):
   write RQ's queues, job hashes and registries, the run marker, stats, the results stream and the
-  done set (every producer command may feed, collect and repair); read the rest of `rq:` and `bf:`.
+  done set, the tenants' figures and the head's wake list (every producer command may feed, collect
+  and repair); read the rest of `rq:` and `bf:`.
 - worker (`rq worker <host>.gpuN`): write RQ's queues, jobs, registries and its own RQ worker keys;
   leases, strikes, suspects, isolate, done, results, stats, status records, events. Read only the
   control spec (so it cannot change what the fleet runs), the run marker and the fleet's memory. Subscribe to
@@ -88,7 +89,7 @@ def roles(run: str = "*") -> dict[str, Role]:
     # workers which prompts to drop (`drop`, announced on `signals`)
     feeder = Role("producer", write=(*rq_jobs, rqlayout.QUEUES, rqlayout.RESULTS_PREFIX + "*", k.meta, k.stats, k.done,
                                      k.results, k.cancel, k.refeed, k.leases, k.strikes, k.suspects, k.isolate,
-                                     k.drop),
+                                     k.drop, k.tenants, k.wake),
                   read=everything_of_run, channels=(k.signals,), commands=(*_DATA, "+publish"),
                   lifetime=(k.prefix + "*",))
     return {

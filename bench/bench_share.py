@@ -2,22 +2,23 @@
 client: a latecomer's small batch, weights, a high-priority batch on a full fleet, and the slot fill
 the share costs.
 
-Each round: one `batchfleet serve --gpus 0-7 --no-supervisor` on simulated GPUs (the hybrid 27B
-profile `seed-27b-96gb`, default strategy), a fresh private Redis, a tenants file of three tenants
-(keys as SHA-256; weights changed by SIGHUP between the parts). Requests are chat lines of ~40 words
-generating exactly `--max-tokens` tokens (`ignore_eos`), so output tokens are what was asked. Times are
+Each round, in one private Redis, three `batchfleet serve --gpus 0-7 --no-supervisor` in turn (one per
+part below, each a run of its own: no tenant's usage carries from one part to the next) on simulated
+GPUs (the hybrid 27B profile `seed-27b-96gb`, default strategy), with a tenants file of three tenants
+(keys as SHA-256). Requests are chat lines of ~40 words generating
+0.25-1.75 x `--max-tokens` tokens (`ignore_eos`: what was asked). Times are
 wall seconds; the servers run `--time-scale` simulated seconds per wall second. Every result is read
 from the run's store (its Redis time, its usage) and every batch's files are checked exactly once.
 
     alone     tenant B submits 2,000 requests on the idle fleet: T_alone, submit to last result
-    late      tenant A submits 200,000; 60 s after it is in progress, B submits 2,000 again: T_shared.
+    late      tenant A submits 200,000; 60 s after it is in progress, B submits the same 2,000: T_shared.
               Goal: T_shared <= 1.5 x T_alone + one request's generation (here: B alone's first
               result, from its submit: an upper bound of one generation)
-    high      while A runs, tenant C submits 100 requests of 16 tokens with metadata.priority "high":
+    high      (the same serve) while A runs, tenant C submits 100 requests of 16 tokens with metadata.priority "high":
               its first result and its last, from the submit (goal: starts within 2 s: its first
               result comes at most one 16-token generation after its start); requests aborted by the
               servers over the part (goal 0). A is then cancelled.
-    weights   weights A 1, B 3 (SIGHUP); both submit `--big` requests, more than the fleet runs in the
+    weights   weights A 1, B 3; both submit `--big` requests, more than the fleet runs in the
               part: over each `--window-s` window after the first, B's share of the output tokens
               finished in it (goal 0.75 +- 0.05)
     fill      the servers' slot fill (the simulators' occupied slot-seconds over capacity x model
@@ -35,7 +36,6 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
 import sqlite3
 import statistics
 import sys
@@ -76,25 +76,31 @@ def write_tenants(path: Path, weights: dict[str, float]) -> None:
 
 
 def lines(path: Path, n: int, tag: str, max_tokens: int) -> Path:
+    """`n` requests generating 0.25-1.75 x `max_tokens` tokens (spread evenly, mean `max_tokens`): as in
+    real work, requests end at different times (all of one length, admitted together, would free every
+    slot at once and none between)."""
     with path.open("wb") as fh:
         for i in range(n):
             words = " ".join(VOCAB[(i * 7 + j * 13) % len(VOCAB)] for j in range(40))
+            tokens = max(1, round(max_tokens * (0.25 + 1.5 * ((i * 7919) % 1000) / 1000)))
             fh.write(orjson.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                   "body": {"max_tokens": max_tokens, "ignore_eos": True,
+                                   "body": {"max_tokens": tokens, "ignore_eos": True,
                                             "messages": [{"role": "user", "content": f"{tag} {i}: {words}"}]}})
                      + b"\n")
     return path
 
 
 class Bench:
-    def __init__(self, tmp: Path, url: str, args: argparse.Namespace) -> None:
+    def __init__(self, tmp: Path, url: str, args: argparse.Namespace, *, run: str, weights: dict[str, float]) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
         self.tmp = tmp
         self.args = args
+        self.run = run
         self.tenants = tmp / "tenants.toml"
-        write_tenants(self.tenants, {})
+        write_tenants(self.tenants, weights)
         env = serve_env(tmp, url, **ENV, SGLANG_SIM_TIME_SCALE=str(args.time_scale))
         self.sv = Serve(tmp, url, "--gpus", f"0-{GPUS - 1}", "--no-supervisor", "--tenants", str(self.tenants),
-                        "--max-requests", "250000", env=env, run="share")
+                        "--max-requests", "250000", env=env, run=run)
         self.clients = {t: self.sv.client(k) for t, k in KEYS.items()}
         for c in self.clients.values():
             c.timeout = 600
@@ -135,7 +141,7 @@ class Bench:
 
     def results(self, bid: str) -> list[tuple[float, int]]:
         """(finished_at, completion tokens) of each result of batch `bid`, from the store."""
-        db = sqlite3.connect(f"file:{self.sv.state / 'share.sqlite'}?mode=ro", uri=True, timeout=30)
+        db = sqlite3.connect(f"file:{self.sv.state / (self.run + '.sqlite')}?mode=ro", uri=True, timeout=30)
         try:
             rows = db.execute("SELECT r.finished_at, r.line FROM results r JOIN prompts p ON p.seq = r.seq "
                               "WHERE p.cid >= ? AND p.cid < ?", (bid + ":", bid + ";")).fetchall()
@@ -168,12 +174,6 @@ class Bench:
     def aborted(self) -> int:
         return sum((self.sim(g) or {}).get("aborted_total", 0) for g in range(GPUS))
 
-    def reload(self, weights: dict[str, float]) -> None:
-        write_tenants(self.tenants, weights)
-        assert self.sv.proc is not None
-        self.sv.proc.send_signal(signal.SIGHUP)
-        time.sleep(2)  # the weights reach the head within a second
-
 
 def fill_between(a: list[tuple[float, float, int]], b: list[tuple[float, float, int]]) -> float:
     used = sum(sb - sa for (_, sa, _), (_, sb, _) in zip(a, b, strict=True))
@@ -182,18 +182,20 @@ def fill_between(a: list[tuple[float, float, int]], b: list[tuple[float, float, 
 
 
 def one_round(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The parts of one round, each on a serve of its own (a fresh run: no tenant's usage carries over
+    from one part to the next)."""
     out: dict[str, Any] = {}
     files = {"b": lines(work / "b.jsonl", 2000, "b", args.max_tokens),
              "a": lines(work / "a.jsonl", 200_000, "a", args.max_tokens),
              "c": lines(work / "c.jsonl", 100, "c", 16),
              "big_a": lines(work / "big_a.jsonl", args.big, "wa", args.max_tokens),
              "big_b": lines(work / "big_b.jsonl", args.big, "wb", args.max_tokens)}
+    lost = dup = 0
     with PrivateRedis() as redis_proc:
-        bench = Bench(work, redis_proc.url, args)
+        # alone
+        bench = Bench(work / "alone", redis_proc.url, args, run="alone", weights={})
         try:
             bench.start()
-            lost = dup = 0
-            # alone
             bid, t0 = bench.submit("B", files["b"])
             bench.wait_status("B", bid, ("completed",), 1800)
             res = bench.results(bid)
@@ -201,7 +203,12 @@ def one_round(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out["first_alone"] = min(at for at, _ in res) - t0
             x, y = bench.exact("B", bid, 2000)
             lost, dup = lost + x, dup + y
-            # late
+        finally:
+            bench.sv.stop()
+        # late, high
+        bench = Bench(work / "late", redis_proc.url, args, run="late", weights={})
+        try:
+            bench.start()
             aid, _ = bench.submit("A", files["a"])
             bench.wait_status("A", aid, ("in_progress",), 600)
             a_on = time.monotonic()
@@ -216,7 +223,6 @@ def one_round(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out["t_shared"] = max(at for at, _ in res) - t0
             x, y = bench.exact("B", bid, 2000)
             lost, dup = lost + x, dup + y
-            # high
             before = bench.aborted()
             cid, t0 = bench.submit("C", files["c"], priority="high")
             bench.wait_status("C", cid, ("completed",), 600)
@@ -230,8 +236,12 @@ def one_round(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             bench.wait_status("A", aid, ("cancelled",), 900)
             x, y = bench.exact("A", aid, 200_000)
             lost, dup = lost + x, dup + y
-            # weights
-            bench.reload({"A": 1, "B": 3})
+        finally:
+            bench.sv.stop()
+        # weights
+        bench = Bench(work / "weights", redis_proc.url, args, run="weights", weights={"A": 1, "B": 3})
+        try:
+            bench.start()
             wa, _ = bench.submit("A", files["big_a"])
             wb, _ = bench.submit("B", files["big_b"])
             bench.wait_status("A", wa, ("in_progress",), 600)
@@ -250,15 +260,14 @@ def one_round(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 shares.append(tb / (ta + tb) if ta + tb else float("nan"))
             out["shares"] = shares
             out["fill_shared"] = fill_between(marks[1], marks[-1])
-            out["done_in_weights"] = len(ra) + len(rb)
             for t, b_id in (("A", wa), ("B", wb)):
                 bench.clients[t].batches.cancel(b_id)
                 bench.wait_status(t, b_id, ("cancelled",), 900)
                 x, y = bench.exact(t, b_id, args.big)
                 lost, dup = lost + x, dup + y
-            out["lost"], out["duplicated"] = lost, dup
         finally:
             bench.sv.stop()
+    out["lost"], out["duplicated"] = lost, dup
     return out
 
 

@@ -79,7 +79,7 @@ class Recorder:
                            "longest_s": r.longest_s} for r in e.ranks] if e else [],
             "first_admit_wall": e.first_admit_wall if e else None,
             "last_finish_wall": e.last_finish_wall if e else None,
-            **({"requests": e.request_log} if e and e.request_log is not None else {}),
+            **({"requests": e.request_log, "admitted": e.admit_log} if e and e.request_log is not None else {}),
             **({"lora": self._lora(e)} if e and e.cfg.lora is not None else {}),
         }
 

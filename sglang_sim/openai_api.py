@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from .server import RequestError, _json, submit_all, wait_any
+from .server import RequestError, _json, set_priority, submit_all, wait_any
 
 if TYPE_CHECKING:
     from .engine import Request
@@ -93,7 +93,7 @@ class OpenAIRoutes:
             reqs = [srv.make_request(p, params, rid=f"{base}" if len(prompts) * n == 1 else f"{base}_{i}_{j}",
                                      endpoint=endpoint, index=j, openai=True, adapter=adapters[i])
                     for i, p in enumerate(prompts) for j in range(n)]
-            srv.set_priority(reqs, body.get("priority"))
+            set_priority(srv, reqs, body.get("priority"))
             srv.adapters.hold(reqs)
             if body.get("stream"):
                 return await self._stream(request, reqs, chat=chat, model=model, base=base)

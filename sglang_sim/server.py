@@ -27,7 +27,7 @@ from .profiles import Profile
 from .record import Recorder
 from .textgen import ACCEPTED_SAMPLING_KEYS, count_tokens, generate, token_ids
 
-__all__ = ["RequestError", "ServerState", "SimServer", "error_response", "submit_all", "wait_any"]
+__all__ = ["RequestError", "ServerState", "SimServer", "error_response", "set_priority", "submit_all", "wait_any"]
 
 EOS_TOKEN_ID = 151645
 # How often SGLang checks whether the client of a non-streaming request is still there (4 s in 0.5.23);
@@ -78,6 +78,21 @@ def error_response(status: int, message: str) -> web.Response:
 SICK_MESSAGE = "Internal server error: the scheduler failed this request (SGLANG_SIM_SICK_AFTER)."
 
 
+def set_priority(srv: SimServer, reqs: list[Request], value: Any) -> None:
+    """A request's `priority` (an int; anything else is left out). Used only with
+    --enable-priority-scheduling; without it, --abort-on-priority-when-disabled refuses it with
+    0.5.23's abort (503), else it is ignored (`Scheduler._set_or_validate_priority`)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return
+    if not srv.engine.cfg.priority_scheduling:
+        if srv.state.flags.get("abort_on_priority_when_disabled"):
+            raise RequestError(503, "Using priority is disabled for this server. Please send a new request "
+                                    "without a priority.")
+        return
+    for r in reqs:
+        r.priority = value
+
+
 class SimServer:
     def __init__(self, state: ServerState, engine: Engine, recorder: Recorder) -> None:
         self.state, self.engine, self.recorder = state, engine, recorder
@@ -120,20 +135,6 @@ class SimServer:
         out, finish, matched = generate(prompt, params, index=index, adapter=name)
         return Request(rid=rid, prompt_words=words, output_words=out, finish_reason=finish,
                        matched_stop=matched, endpoint=endpoint, internal=internal, adapter=name, lora_id=lora_id)
-
-    def set_priority(self, reqs: list[Request], value: Any) -> None:
-        """A request's `priority` (an int; anything else is left out). Used only with
-        --enable-priority-scheduling; without it, --abort-on-priority-when-disabled refuses it with
-        0.5.23's abort (503), else it is ignored (`Scheduler._set_or_validate_priority`)."""
-        if not isinstance(value, int) or isinstance(value, bool):
-            return
-        if not self.engine.cfg.priority_scheduling:
-            if self.state.flags.get("abort_on_priority_when_disabled"):
-                raise RequestError(503, "Using priority is disabled for this server. Please send a new request "
-                                        "without a priority.")
-            return
-        for r in reqs:
-            r.priority = value
 
     async def submit_and_wait(self, reqs: list[Request]) -> None:
         """Queue the requests and wait; a client that goes away aborts them (handler cancellation).
@@ -227,7 +228,7 @@ class SimServer:
                         base = rid if (rid and not batch and n == 1) else f"{rid or uuid.uuid4().hex}_{i}_{j}"
                     reqs.append(self.make_request(prompt, params, rid=base, endpoint="/generate", index=j,
                                                   adapter=adapters[i]))
-            self.set_priority(reqs, body.get("priority"))
+            set_priority(self, reqs, body.get("priority"))
             self.adapters.hold(reqs)
             if body.get("stream"):
                 return await self._stream_native(request, reqs)

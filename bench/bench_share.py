@@ -5,8 +5,10 @@ the share costs.
 Each round, in one private Redis, three `batchfleet serve --gpus 0-7 --no-supervisor` in turn (one per
 part below, each a run of its own: no tenant's usage carries from one part to the next) on simulated
 GPUs (the hybrid 27B profile `seed-27b-96gb`, default strategy), with a tenants file of three tenants
-(keys as SHA-256). Requests are chat lines of ~40 words generating
-0.25-1.75 x `--max-tokens` tokens (`ignore_eos`: what was asked). Times are
+(keys as SHA-256). Requests are chat lines of ~40 words with `max_tokens` `--max-tokens`, answered at
+the simulated model's own lengths (exponential, mean ~260 tokens, capped there): as in real work, they
+end at different times (all of one length, fed together, would free a server's slots at once and none
+between, and a high request could start only then). Times are
 wall seconds; the servers run `--time-scale` simulated seconds per wall second. Every result is read
 from the run's store (its Redis time, its usage) and every batch's files are checked exactly once.
 
@@ -25,7 +27,7 @@ from the run's store (its Redis time, its usage) and every batch's files are che
               seconds): during A alone in `late` (after its first 15 s), and during `weights` (its
               windows after the first). Goal: shared >= 0.995 x single
 
-    python bench/bench_share.py [--rounds 3] [--time-scale 2] [--max-tokens 256] [--big 60000]
+    python bench/bench_share.py [--rounds 3] [--time-scale 2] [--max-tokens 1024] [--big 60000]
                                 [--window-s 120] [--windows 4] [--json FILE]
 """
 
@@ -76,15 +78,12 @@ def write_tenants(path: Path, weights: dict[str, float]) -> None:
 
 
 def lines(path: Path, n: int, tag: str, max_tokens: int) -> Path:
-    """`n` requests generating 0.25-1.75 x `max_tokens` tokens (spread evenly, mean `max_tokens`): as in
-    real work, requests end at different times (all of one length, admitted together, would free every
-    slot at once and none between)."""
+    """`n` chat requests of at most `max_tokens` tokens, each ending where the model stops."""
     with path.open("wb") as fh:
         for i in range(n):
             words = " ".join(VOCAB[(i * 7 + j * 13) % len(VOCAB)] for j in range(40))
-            tokens = max(1, round(max_tokens * (0.25 + 1.5 * ((i * 7919) % 1000) / 1000)))
             fh.write(orjson.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                   "body": {"max_tokens": tokens, "ignore_eos": True,
+                                   "body": {"max_tokens": max_tokens,
                                             "messages": [{"role": "user", "content": f"{tag} {i}: {words}"}]}})
                      + b"\n")
     return path
@@ -279,7 +278,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--time-scale", type=float, default=2.0)
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=1024, help="each request's cap")
     ap.add_argument("--big", type=int, default=60_000, help="requests of each tenant's batch in `weights`")
     ap.add_argument("--window-s", type=float, default=120.0)
     ap.add_argument("--windows", type=int, default=4)
@@ -287,7 +286,7 @@ def main() -> int:
     args = ap.parse_args()
     rounds = []
     print(f"load average at start: {os.getloadavg()[0]:.2f}; {GPUS} simulated GPUs (seed-27b-96gb), time scale "
-          f"{args.time_scale:g}, {args.max_tokens} tokens a request", flush=True)
+          f"{args.time_scale:g}, at most {args.max_tokens} tokens a request", flush=True)
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="bench-share-") as tmp:
             res = one_round(args, Path(tmp))

@@ -43,6 +43,7 @@ __all__ = ["DrainMeter", "FeedSummary", "Feeder", "feed_pass", "window_target"]
 FEED_BATCH = 2000  # prompts per store transaction and Lua call
 SHARE_CHUNK = 128  # ... while several tenants of one priority have work: the share's grain
 SHARE_BLIND = 16  # a shared queue before anything is known of it (no live worker, nothing drained yet)
+HIGH_ROOM = 64  # high work a pass may push to the front of each shared queue beyond its window
 
 
 class DrainMeter:
@@ -125,7 +126,8 @@ class Feeder:
         for q in queues:
             pipe.llen(Keys.queue(q))
         lengths = pipe.execute()
-        return self.feed({q: max(0, targets[q] - n) for q, n in zip(queues, lengths, strict=True)})
+        return self.feed({q: max(0, targets[q] - n) for q, n in zip(queues, lengths, strict=True)},
+                         high={q: max(0, targets[q] + HIGH_ROOM - n) for q, n in zip(queues, lengths, strict=True)})
 
     def shared(self) -> bool:
         """Is this a shared fleet's store (`batchfleet serve`'s: its inputs have owners, fed by input)?
@@ -138,23 +140,38 @@ class Feeder:
                         self.share.in_redis(tenant, n)
         return self._shared
 
-    def feed(self, deficits: dict[str, int]) -> FeedSummary:
+    def feed(self, deficits: dict[str, int], *, high: dict[str, int] | None = None) -> FeedSummary:
         """Feed up to `deficits[q]` prompts to each queue q, in the store's order: the plan's, as units
         (a unit may take a queue past its deficit), else longest expected work first, dealt in turn; in
-        a shared fleet's store, input by input as `producer.share` picks them."""
+        a shared fleet's store, input by input as `producer.share` picks them, high work first up to
+        `high[q]` (default `deficits[q]`)."""
         out = FeedSummary(fed={q: 0 for q in deficits})
         left = {q: n for q, n in deficits.items() if n > 0}
-        if left and self.shared():
-            return self._feed_shared(left, out)
+        if deficits and self.shared():
+            return self._feed_shared(left, {q: n for q, n in (high or deficits).items() if n > 0}, out)
         while left:
             if not self._feed_chunk(min(FEED_BATCH, sum(left.values())), left, out):
                 break
         return out
 
-    def _feed_shared(self, left: dict[str, int], out: FeedSummary) -> FeedSummary:
+    def _feed_shared(self, left: dict[str, int], high: dict[str, int], out: FeedSummary) -> FeedSummary:
+        """High work first, to the front of the queues, up to `high[q]` (top_up: HIGH_ROOM beyond the
+        window): it waits for no window to drain, as it is claimed at a queue's next free slot before
+        what the queue holds; then `left`, input by input as the share picks them."""
         with self.store.read():
             waiting = self.store.shares.waiting()
             weights = self.store.shares.weights()
+        while high and waiting and (pick := self.share.pick(waiting, weights)) is not None and pick.front:
+            before = dict(high)
+            rows = self._feed_chunk(min(FEED_BATCH, sum(high.values())), high, out, file=pick.input.file, front=True)
+            self.share.charge(pick.input.tenant, (row.cost for row in rows))
+            for q, n in before.items():  # what high work took of the window's room
+                if q in left:
+                    left[q] -= n - high.get(q, 0)
+                    if left[q] <= 0:
+                        del left[q]
+            if not rows:
+                waiting.remove(pick.input)
         while left and waiting:
             pick = self.share.pick(waiting, weights)
             assert pick is not None

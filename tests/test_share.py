@@ -14,7 +14,7 @@ from batchfleet.config import Config
 from batchfleet.keys import Keys
 from batchfleet.records import TenantFigures
 from producer.collect import CollectSummary
-from producer.feed import Feeder, window_target
+from producer.feed import HIGH_ROOM, Feeder, window_target
 from producer.share import HIGH, LOW, NORMAL, FairShare
 from producer.store import Store, WaitingInput
 from producer.tenants import TenantBook, read_tenants
@@ -160,6 +160,31 @@ def test_a_high_batch_goes_to_the_front_of_every_queue_in_its_order(r: redis.Red
     for head in heads:
         assert head == sorted(head, key=lambda c: int(c.split(":")[1]))  # in the batch's order
     assert [len(_queued(r, q)) for q in ("gpu0", "gpu1")] == [23, 23]
+    store.close()
+
+
+def test_a_high_batch_is_fed_to_queues_already_at_their_window_but_at_most_high_room_beyond(
+        r: redis.Redis, tmp_path: Path) -> None:
+    """A full fleet's queues hold their window: no room for anything, yet a high batch waits for no
+    window to drain. A pass puts it at the front of each queue, up to HIGH_ROOM beyond the window (a
+    huge high batch does not flood Redis); normal work gets nothing."""
+    store = _shared_store(tmp_path / "s.sqlite", [("a1", "A", NORMAL, 200, 100)])
+    feeder = Feeder(Config(run="t"), r, store)
+    targets = {"gpu0": 20, "gpu1": 20}
+    assert feeder.top_up(targets).total == 40
+    with store.write():
+        f = store.file_id("urgent")
+        store.shares.own(f, "B", HIGH)
+        store.insert_prompts([(f"urgent:{i}", 1, b'{"max_tokens":9,"prompt":"u"}', f, i + 1, 9, b"", None)
+                              for i in range(500)])
+    out = feeder.top_up(targets)
+    assert out.total == 2 * HIGH_ROOM
+    for q in ("gpu0", "gpu1"):
+        queued = _queued(r, q)
+        assert len(queued) == 20 + HIGH_ROOM
+        assert all(c.startswith("urgent:") for c in queued[:HIGH_ROOM])
+        assert not any(c.startswith("urgent:") for c in queued[HIGH_ROOM:])
+    assert feeder.top_up(targets).total == 0  # nothing claimed: nothing more
     store.close()
 
 

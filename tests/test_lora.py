@@ -38,7 +38,7 @@ def parse(line: dict, model: str = "base") -> tuple[str, str, dict]:
     {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "hi", "model": "base", "lora_path": "sql"}},
 ])
 def test_both_ways_of_naming_an_adapter_are_stored_as_one_form_with_one_fingerprint(line: dict) -> None:
-    cid, url, body = parse(line)
+    _, url, body = parse(line)
     assert body == {"prompt": "hi", "model": "base:sql"}  # no lora_path: the form 0.5.23 takes first
     assert adapter_of(body) == "sql"
     want = canonical_request(url, {"prompt": "hi", "model": "base:sql"})

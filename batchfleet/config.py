@@ -187,6 +187,9 @@ class Config:
         if len(set(names)) != len(names):
             twice = sorted(n for n in set(names) if names.count(n) > 1)
             raise ConfigError(f"lora_paths names an adapter twice: {', '.join(twice)}")
+        if self.lora_paths and "--lora-paths" in self.server_argv_extra:  # argparse would keep one list only
+            raise ConfigError("the LoRA adapters are given twice, in BATCHFLEET_LORA_PATHS and as --lora-paths in "
+                              "BATCHFLEET_SERVER_ARGS: give them once")
 
     def __repr__(self) -> str:
         """Secrets hidden: a configuration may end up in a log line or a traceback."""

@@ -88,16 +88,21 @@ def test_an_adapter_the_fleet_does_not_load_is_refused_at_enqueue_naming_it(tmp_
 
 # --- the fleet's adapters ------------------------------------------------------------------------------
 def test_the_fleets_adapters_from_the_configuration_and_the_servers_own_flags() -> None:
-    c = Config.from_env({"BATCHFLEET_LORA_PATHS": "sql=/a/sql, chat=/a/chat", "BATCHFLEET_MAX_LORAS_PER_BATCH": "4",
-                         "BATCHFLEET_SERVER_ARGS": "--lora-paths more=/a/more /a/bare --tp-size 1"})
+    c = Config.from_env({"BATCHFLEET_LORA_PATHS": "sql=/a/sql, chat=/a/chat", "BATCHFLEET_MAX_LORAS_PER_BATCH": "4"})
     assert c.lora_paths == ("sql=/a/sql", "chat=/a/chat") and c.max_loras_per_batch == 4
-    assert c.lora_adapters == {"sql": "/a/sql", "chat": "/a/chat", "more": "/a/more", "/a/bare": "/a/bare"}
+    assert c.lora_adapters == {"sql": "/a/sql", "chat": "/a/chat"}
+    # or the server's own flags, as SGLang reads their items
+    c = Config.from_env({"BATCHFLEET_SERVER_ARGS": "--lora-paths more=/a/more /a/bare '{\"lora_name\": \"j\", "
+                         "\"lora_path\": \"/a/j\"}' --tp-size 1"})
+    assert c.lora_adapters == {"more": "/a/more", "/a/bare": "/a/bare", "j": "/a/j"}
     with pytest.raises(ConfigError, match="names an adapter twice: sql"):
         Config(lora_paths=("sql=/a", "sql=/b"))
     with pytest.raises(ConfigError, match="want NAME=PATH"):
         Config(lora_paths=("=/a",))
     with pytest.raises(ConfigError, match="max_loras_per_batch must be at least 1"):
         Config(max_loras_per_batch=0)
+    with pytest.raises(ConfigError, match="given twice"):
+        Config(lora_paths=("sql=/a",), server_args="--lora-paths chat=/b")
 
 
 def test_the_worker_starts_its_server_with_the_adapters_in_0_5_23s_flags() -> None:

@@ -170,7 +170,8 @@ class Engine:
         level = priority_level(priority_of(b.metadata))
         owner = (b.tenant or DEFAULT_TENANT, 1 if level is None else level)
         v = validate_into(self.store, b.id, b.endpoint, self.registry.file_path(b.input_file_id),
-                          max_requests=self.limits.max_requests, model=self.limits.model, owner=owner)
+                          max_requests=self.limits.max_requests, model=self.limits.model, owner=owner,
+                          adapters=frozenset(self.config.lora_adapters))
         if v.errors or v.span is None:
             log.info("batch %s failed validation: %s", b.id, v.errors[0]["message"] if v.errors else "?")
             self.registry.update(b.id, lambda cur: _unless_final(

@@ -46,12 +46,14 @@ class Validated:
 
 
 def validate_into(store: Store, batch_id: str, endpoint: str, path: Path, *, max_requests: int,
-                  model: str, owner: tuple[str, int] | None = None) -> Validated:
+                  model: str, owner: tuple[str, int] | None = None,
+                  adapters: frozenset[str] | None = None) -> Validated:
     """Validate the file at `path` as batch `batch_id`'s input and store its prompts (see the module
     doc). `model`: body.model of a line without one. `owner`: (tenant, priority) of the batch, stored
-    with its prompts: the head shares the fleet between tenants from its first feed of them."""
+    with its prompts: the head shares the fleet between tenants from its first feed of them. `adapters`:
+    the LoRA adapters a line may name (the fleet's)."""
     whole = enqueue_whole(store, path, name=batch_id, prefix=batch_id + ":", url=endpoint, model=model,
-                          max_requests=max_requests, max_problems=MAX_ERRORS, owner=owner)
+                          max_requests=max_requests, max_problems=MAX_ERRORS, owner=owner, adapters=adapters)
     return Validated(input_id=whole.input_id, span=whole.span, prompts=whole.prompts, model=whole.model,
                      errors=[_error(p) for p in whole.problems])
 

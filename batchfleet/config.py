@@ -9,6 +9,7 @@ variable is an error, not silently ignored. `REDIS_URL` (RQ's own variable) is h
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import shlex
@@ -25,8 +26,8 @@ from .records import STRATEGIES
 from .redact import MASK, redact_argv, redact_url
 
 __all__ = ["DEFAULT_QUEUE", "DEFAULT_QUEUE_PATTERN", "EVENT_LOOPS", "GPU_LOCAL_PART", "STRATEGIES", "Config",
-           "expand_queues", "gpu_group_for_queue", "gpu_index_for_queue", "group_label", "model_path_problem",
-           "queue_host", "redis_url_problem"]
+           "expand_queues", "gpu_group_for_queue", "gpu_index_for_queue", "group_label", "lora_item",
+           "model_path_problem", "queue_host", "redis_url_problem"]
 
 ENV_PREFIX = "BATCHFLEET_"
 DEFAULT_QUEUE = "gpu0"  # where prompts go when no queue is given and no worker has reported
@@ -116,6 +117,13 @@ class Config:
     # fleet's high-priority prompts with a request priority: the server runs them before those waiting
     # in its own queue, never preempting one that runs (`batchfleet serve` turns it on for its workers).
     priority_scheduling: bool = False
+    # LoRA adapters every server of the fleet loads at start (`name=path`, comma-separated; SGLang's
+    # `--lora-paths` items): the worker starts its server with `--enable-lora --lora-paths ...`, and a
+    # line naming an adapter outside them (or the `--lora-paths` of BATCHFLEET_SERVER_ARGS) is refused at
+    # enqueue. `max_loras_per_batch`: `--max-loras-per-batch` (the adapters one running batch may hold,
+    # the base model counting; unset: SGLang's 8).
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int | None = None
 
     # A finished run's keys (every prompt has its result in the store) expire after this (see producer.ends).
     finished_ttl_s: int = FINISHED_TTL_S
@@ -173,6 +181,15 @@ class Config:
             shlex.split(self.sglang_cmd + " " + self.server_args)
         except ValueError as exc:
             raise ConfigError(f"sglang_cmd/server_args do not parse as shell words: {exc}") from exc
+        if self.max_loras_per_batch is not None and self.max_loras_per_batch < 1:
+            raise ConfigError("max_loras_per_batch must be at least 1")
+        names = [lora_item(item)[0] for item in self.lora_paths]  # raises ConfigError for a bad item
+        if len(set(names)) != len(names):
+            twice = sorted(n for n in set(names) if names.count(n) > 1)
+            raise ConfigError(f"lora_paths names an adapter twice: {', '.join(twice)}")
+        if self.lora_paths and "--lora-paths" in self.server_argv_extra:  # argparse would keep one list only
+            raise ConfigError("the LoRA adapters are given twice, in BATCHFLEET_LORA_PATHS and as --lora-paths in "
+                              "BATCHFLEET_SERVER_ARGS: give them once")
 
     def __repr__(self) -> str:
         """Secrets hidden: a configuration may end up in a log line or a traceback."""
@@ -219,6 +236,21 @@ class Config:
     @property
     def server_argv_extra(self) -> list[str]:
         return shlex.split(self.server_args)
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The fleet's LoRA adapters, name -> path: BATCHFLEET_LORA_PATHS, then the `--lora-paths` items
+        BATCHFLEET_SERVER_ARGS gives (as SGLang reads them: `<PATH>`, `<NAME>=<PATH>`, a JSON object)."""
+        out = dict(lora_item(item) for item in self.lora_paths)
+        extra = self.server_argv_extra
+        for i, token in enumerate(extra):
+            if token != "--lora-paths":
+                continue
+            for item in extra[i + 1:]:
+                if item.startswith("--"):
+                    break
+                out.setdefault(*lora_item(item))
+        return out
 
     @property
     def logs(self) -> Path:
@@ -332,6 +364,26 @@ def expand_queues(text: str) -> tuple[str, ...]:
                 raise ConfigError(f"queue name {name!r}: letters, digits, '_' and '-', in dot-separated parts")
             out.append(name)
     return tuple(dict.fromkeys(out))
+
+
+def lora_item(item: str) -> tuple[str, str]:
+    """(name, path) of one `--lora-paths` item as SGLang 0.5.23 reads it (`LoRAPathAction`): `<PATH>`
+    (its name is the path), `<NAME>=<PATH>` (split at the first `=`), or a JSON object with
+    `lora_name` and `lora_path`; ConfigError for an empty one."""
+    item = item.strip()
+    if item.startswith("{") and item.endswith("}"):
+        try:
+            obj = json.loads(item)
+            name, path = str(obj["lora_name"]), str(obj["lora_path"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"LoRA adapter {item!r}: a JSON item holds lora_name and lora_path ({exc})") from None
+    elif "=" in item:
+        name, path = item.split("=", 1)
+    else:
+        name = path = item
+    if not name.strip() or not path.strip():
+        raise ConfigError(f"LoRA adapter {item!r}: want NAME=PATH")
+    return name.strip(), path.strip()
 
 
 def _parse(name: str, hint: Any, raw: str) -> Any:

@@ -47,13 +47,13 @@ from batchfleet.redact import private_file
 
 from .fingerprint import FileFingerprint, canonical_request
 from .inputs import MAX_LINE_BYTES, Lines
-from .parse import NotJson, Reject, parse_line
+from .parse import NotJson, Reject, adapter_of, parse_line
 from .plan import plan_key
 from .progress import Reporter
 from .store import UNBOUNDED_COST, Known, Span, State, Store, StoreError
 
 __all__ = ["ChangedRequests", "EmptyInput", "EnqueueSummary", "Fault", "Problem", "Request", "Whole", "cost_of",
-           "enqueue_file", "enqueue_whole", "read_requests"]
+           "enqueue_file", "enqueue_whole", "read_requests", "unknown_adapter"]
 
 BATCH = 5000  # prompts per store transaction
 MAX_MESSAGES = 100  # reject lines echoed on stderr; all of them go to the rejects file
@@ -102,12 +102,20 @@ class EnqueueSummary:
         return f"{self.lines:,} lines: {self.counts()}"
 
 
-def read_requests(source: Lines, defaults: dict[str, Any], model: str, *,
-                  batch_only: bool = False) -> Iterator[tuple[int, bytes, int, Request | Reject | None]]:
+def unknown_adapter(name: str, adapters: frozenset[str]) -> Reject:
+    """A line names a LoRA adapter the fleet's servers do not load."""
+    have = ", ".join(sorted(adapters)[:20]) if adapters else "none"
+    return Reject(f"unknown LoRA adapter {name!r}: the fleet's servers load {have} (BATCHFLEET_LORA_PATHS, "
+                  "or --lora-paths in BATCHFLEET_SERVER_ARGS)")
+
+
+def read_requests(source: Lines, defaults: dict[str, Any], model: str, *, batch_only: bool = False,
+                  adapters: frozenset[str] | None = None) -> Iterator[tuple[int, bytes, int, Request | Reject | None]]:
     """Every line of `source` as enqueue reads it: (its number, its bytes, its length, what it is). What it
     is: None (a blank line), the `Reject` saying why it is no request (a line longer than any request
-    may be, `NotJson`, a broken rule), or the request, (custom_id, url, body) as `parse_line` makes it
-    with `defaults` and `model` (`batch_only`: the simple form is refused)."""
+    may be, `NotJson`, a broken rule, a LoRA adapter not in `adapters` when given), or the request,
+    (custom_id, url, body) as `parse_line` makes it with `defaults` and `model` (`batch_only`: the simple
+    form is refused)."""
     for lineno, raw, length in source:
         if not raw or raw.isspace():
             yield lineno, raw, length, None
@@ -121,6 +129,11 @@ def read_requests(source: Lines, defaults: dict[str, Any], model: str, *,
             got = parse_line(raw, defaults, model, batch_only=True) if batch_only else parse_line(raw, defaults, model)
         except Reject as exc:
             got = exc
+        else:
+            if adapters is not None:
+                name = adapter_of(got[2])
+                if name is not None and name not in adapters:
+                    got = unknown_adapter(name, adapters)
         yield lineno, raw, length, got
 
 
@@ -413,8 +426,10 @@ class _Writer:
 
 def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model: str,
                  rejects_path: Path | None = None, progress: bool = True, rerun_changed: bool = False,
-                 take_failed: Callable[[list[tuple[int, str]]], None] | None = None) -> EnqueueSummary:
-    """Write every valid line of `source` to the store. Messages and progress go to stderr. Raises
+                 take_failed: Callable[[list[tuple[int, str]]], None] | None = None,
+                 adapters: frozenset[str] | None = None) -> EnqueueSummary:
+    """Write every valid line of `source` to the store (a line naming a LoRA adapter outside `adapters`,
+    when given, is rejected). Messages and progress go to stderr. Raises
     ChangedRequests (nothing of the file stored) when a known custom_id's request changed and not
     `rerun_changed`; with it, `take_failed((seq, cid)...)` takes their failed jobs out of Redis."""
     name = source.name
@@ -438,7 +453,7 @@ def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model
 
     writer = _Writer(store, source, summary, reject, rerun=rerun_changed, take_failed=take_failed)
     try:
-        for lineno, raw, length, got in read_requests(source, defaults, model):
+        for lineno, raw, length, got in read_requests(source, defaults, model, adapters=adapters):
             summary.lines += 1
             if lineno % BATCH == 0:
                 report.update(summary.lines, source.nbytes)
@@ -496,7 +511,8 @@ class _Refused(Exception):
 
 
 def enqueue_whole(store: Store, path: Path, *, name: str, prefix: str, url: str, model: str, max_requests: int,
-                  max_problems: int = 100, owner: tuple[str, int] | None = None) -> Whole:
+                  max_problems: int = 100, owner: tuple[str, int] | None = None,
+                  adapters: frozenset[str] | None = None) -> Whole:
     """Store every request of the batch-form file at `path` as ONE new input named `name`, all of them or
     none: read as `enqueue_file` reads a file (`read_requests`), each stored under `prefix + custom_id`,
     in one write transaction (a crash leaves the whole input or none of it; its prompts hold consecutive
@@ -505,7 +521,8 @@ def enqueue_whole(store: Store, path: Path, *, name: str, prefix: str, url: str,
     its problem; so does a file without a request. Prompts already stored under `prefix` (a caller that
     restarted after the commit) are found there, not stored twice. `model`: body.model of a line
     without one. `owner`: (tenant, priority: 0 high, 1 normal, 2 low) of the input, recorded in the same
-    transaction (`Store.shares`): the head shares the fleet between owners from its first feed of it."""
+    transaction (`Store.shares`): the head shares the fleet between owners from its first feed of it.
+    `adapters`: the LoRA adapters a line may name (None: any)."""
     out = Whole()
     try:
         with store.write():
@@ -518,7 +535,7 @@ def enqueue_whole(store: Store, path: Path, *, name: str, prefix: str, url: str,
                 return out
             lo = store.max_seq() + 1
             _store_whole(store, out, path, prefix=prefix, url=url, model=model, max_requests=max_requests,
-                         max_problems=max_problems)
+                         max_problems=max_problems, adapters=adapters)
             if out.problems:
                 out.problems.sort(key=lambda e: e.line or 0)
                 raise _Refused
@@ -534,7 +551,7 @@ def enqueue_whole(store: Store, path: Path, *, name: str, prefix: str, url: str,
 
 
 def _store_whole(store: Store, out: Whole, path: Path, *, prefix: str, url: str, model: str, max_requests: int,
-                 max_problems: int) -> None:
+                 max_problems: int, adapters: frozenset[str] | None = None) -> None:
     file_fp = FileFingerprint()
     rows: list[tuple[str, int, bytes, int, int, int, bytes, bytes | None]] = []
     assert out.input_id is not None
@@ -546,7 +563,7 @@ def _store_whole(store: Store, out: Whole, path: Path, *, prefix: str, url: str,
             problems.append(Problem(line, fault, message))
 
     with Lines(str(path)) as lines:
-        for lineno, _, _, got in read_requests(lines, {}, model, batch_only=True):
+        for lineno, _, _, got in read_requests(lines, {}, model, batch_only=True, adapters=adapters):
             if got is None:
                 continue
             if type(got) is not tuple:

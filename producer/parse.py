@@ -8,6 +8,12 @@ Two line formats are accepted:
   sampling parameters at top level or under `sampling_params`. `prompt` -> `/v1/completions`,
   `messages` -> `/v1/chat/completions`.
 
+A LoRA adapter is named as SGLang 0.5.23's OpenAI endpoints take it (`serving_base.py`
+`_parse_model_parameter`, `_resolve_lora_path`): `model: "<base>:<adapter>"` (split at the first `:`;
+`"<base>:"` is the base model) or `lora_path: "<adapter>"` (top level, or in the batch form's body); the
+model's suffix wins over lora_path. Both are stored in one form, `model: "<base>:<adapter>"` and no
+lora_path (`_name_adapter`), so the fingerprint and dedup agree whichever a line used; the body is sent so.
+
 Sampling keys are an explicit allow-list (the OpenAI names SGLang's OpenAI endpoints take): a
 misspelled `temprature` is rejected rather than silently ignored by the server. Per-file defaults
 (from the command line) fill keys a line did not set. This runs once per line on hundreds of
@@ -34,7 +40,7 @@ from batchfleet.prompts import (
 )
 from batchfleet.records import ENDPOINTS
 
-__all__ = ["SAMPLING_KEYS", "NotJson", "Reject", "check_sampling", "parse_line", "parse_param"]
+__all__ = ["SAMPLING_KEYS", "NotJson", "Reject", "adapter_of", "check_sampling", "parse_line", "parse_param"]
 
 # This line cannot become a prompt; the message says why. The same class the worker refuses a job
 # with: the rules live in `batchfleet.prompts`, shared by both.
@@ -50,7 +56,7 @@ _BODY_KEYS = frozenset({"messages", "prompt", *BODY_KEYS})
 _BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
 _PLAIN_KEYS = frozenset({*_BODY_KEYS, *SAMPLING_KEYS})  # a body of these needs no sorting out (check_body checks it)
 _NONE: dict[str, Any] = {}  # no sampling_params (never written to)
-_SIMPLE_KEYS = frozenset({"id", "custom_id", "prompt", "messages", "sampling_params", "model"})
+_SIMPLE_KEYS = frozenset({"id", "custom_id", "prompt", "messages", "sampling_params", "model", "lora_path"})
 _ALIASES = ALIASES
 
 
@@ -82,9 +88,34 @@ def _cid(d: dict[str, Any], *names: str) -> str:
     raise Reject(f"no {' or '.join(names)}")
 
 
-def _fill(body: dict[str, Any], sampling: dict[str, Any], defaults: dict[str, Any], model: str) -> None:
-    """Put the line's sampling keys (by their canonical names), the defaults and the model into `body`.
-    A key that is no sampling key is refused here; the values are checked by `check_body`, once."""
+def adapter_of(body: dict[str, Any]) -> str | None:
+    """The LoRA adapter a stored body runs on (`model: "<base>:<adapter>"`), None: the base model."""
+    model = body.get("model")
+    if not isinstance(model, str) or ":" not in model:
+        return None
+    return model.split(":", 1)[1] or None
+
+
+def _name_adapter(body: dict[str, Any], lora: Any, model: str) -> None:
+    """The one stored form of a LoRA request: `model: "<base>:<adapter>"`, no lora_path (module doc)."""
+    m = body["model"]
+    if lora is not None and not isinstance(lora, str):
+        raise Reject("lora_path must be a string: the name of one LoRA adapter (BATCHFLEET_LORA_PATHS)")
+    if not isinstance(m, str):
+        return  # check_body refuses it
+    base, colon, adapter = m.partition(":")
+    adapter = adapter.strip() if colon else ""
+    if not adapter and lora:
+        adapter = lora.strip()
+    base = base.strip() or model
+    body["model"] = f"{base}:{adapter}" if adapter else base
+
+
+def _fill(body: dict[str, Any], sampling: dict[str, Any], defaults: dict[str, Any], model: str,
+          lora: Any = None) -> None:
+    """Put the line's sampling keys (by their canonical names), the defaults and the model into `body`
+    (an adapter named by `lora`, the line's lora_path, or the model: in its stored form). A key that is
+    no sampling key is refused here; the values are checked by `check_body`, once."""
     for k, v in sampling.items():
         key = _ALIASES.get(k, k)
         if key not in SAMPLING_KEYS:
@@ -92,7 +123,9 @@ def _fill(body: dict[str, Any], sampling: dict[str, Any], defaults: dict[str, An
         body[key] = v
     for k, v in defaults.items():
         body.setdefault(k, v)
-    body.setdefault("model", model)
+    m = body.setdefault("model", model)
+    if lora is not None or (type(m) is str and ":" in m):
+        _name_adapter(body, lora, model)
 
 
 def parse_line(raw: bytes | str, defaults: dict[str, Any], model: str, *,
@@ -141,11 +174,11 @@ def _parse_batch(d: dict[str, Any], defaults: dict[str, Any], model: str) -> tup
     for k, v in body.items():
         if k in _BODY_KEYS:
             out[k] = v
-        elif k != "stream":
+        elif k != "stream" and k != "lora_path":
             sampling[k] = v
     if "max_tokens" in sampling and "max_new_tokens" in sampling:
         raise Reject("both max_tokens and max_new_tokens")
-    _fill(out, sampling, defaults, model)
+    _fill(out, sampling, defaults, model, body.get("lora_path"))
     return cid, url, out
 
 
@@ -177,5 +210,5 @@ def _parse_simple(d: dict[str, Any], defaults: dict[str, Any], model: str) -> tu
         if not isinstance(d["model"], str):
             raise Reject("model must be a string")
         body["model"] = d["model"]
-    _fill(body, sampling, defaults, model)
+    _fill(body, sampling, defaults, model, d.get("lora_path"))
     return cid, url, body

@@ -12,8 +12,16 @@ its memory. The whole job is in the store before it runs, so the head can order 
   a prefix up to an anchor share the key's components up to it, so sorting by key puts them next to
   each other, the longest shared prefixes innermost. The key stops at the last anchor within the
   conversation: what follows it cannot make prompts share more, and is not hashed.
-- **The order** (`Store.plan`): the waiting prompts sorted by (longest expected work first, key, input
-  order), built once after an enqueue in one sorted pass of SQLite's (bounded memory).
+- **LoRA adapters** (`adapter_group`): a request on an adapter (`model: "<base>:<adapter>"`) has a key
+  of odd length, a 5-byte group (`L` + CRC-32 of the adapter's name) before its prefix components (2
+  bytes each: a base model's key is always even). A server's running batch holds at most
+  `--max-loras-per-batch` adapters and loading one into a GPU slot costs time, so an adapter's prompts
+  are fed together, to one server: the group is the plan's primary sort key, units do not cross an
+  adapter (and grow along one, up to `unit_max`, prefix or not), and a unit goes to the queue whose last
+  prompt ran the same adapter first. Each server then runs a few adapters in turn, not all at once.
+- **The order** (`Store.plan`): the waiting prompts sorted by (adapter group: the base model's first,
+  longest expected work first, key, input order), built once after an enqueue in one sorted pass of
+  SQLite's (bounded memory).
 - **Units and their servers** (`Dealer`, at feed time): consecutive prompts whose common prefix is at
   least `SHARED_MIN` bytes form a unit (at most `unit_max` prompts); a unit goes whole to one queue:
   of the queues with room, the one whose last prompt shares the longest prefix with it (a template
@@ -33,8 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["ANCHORS", "SHARED_MIN", "Dealer", "PlanRow", "Unit", "common_prefix", "conversation", "plan_key",
-           "prefix_key"]
+__all__ = ["ANCHORS", "GROUP_BYTES", "SHARED_MIN", "Dealer", "PlanRow", "Unit", "adapter_group", "common_prefix",
+           "conversation", "plan_key", "prefix_key"]
 
 # Bytes of the conversation at which the key takes a component: 2x apart, so a shared prefix is
 # resolved to within a factor of 2 of its length (the units are cut on the bytes prompts really share,
@@ -45,6 +53,7 @@ _STARTS = (b'"messages":', b'"prompt":', b'"input":')
 _MARKER = {"messages": _STARTS[0], "prompt": _STARTS[1], "input": _STARTS[2]}
 # A prefix shorter than this is not worth keeping prompts together for (about 128 tokens).
 SHARED_MIN = 512
+GROUP_BYTES = 5  # a LoRA adapter's group at the start of its prompts' keys: b"L" + CRC-32 of its name
 
 
 def _start(canon: bytes) -> int:
@@ -96,12 +105,23 @@ def prefix_key(canon: bytes, model: str = "", field: str | None = None) -> bytes
     return _PACK[len(parts)].pack(*parts)
 
 
+def adapter_group(pk: bytes | None) -> bytes:
+    """The LoRA adapter group a plan key starts with (b"": the base model, or no key)."""
+    return pk[:GROUP_BYTES] if pk and len(pk) % 2 else b""
+
+
 def plan_key(canon: bytes, body: dict[str, Any]) -> bytes:
     """The plan key of a request whose canonical JSON is `canon` (`body` parsed): `prefix_key`, its
-    chain seeded by the model the request names."""
+    chain seeded by the model the request names; on a LoRA adapter (`model: "<base>:<adapter>"`, the
+    stored form) its adapter group first (module doc)."""
     model = body.get("model")
     field = "messages" if "messages" in body else "prompt" if "prompt" in body else "input" if "input" in body else None
-    return prefix_key(canon, model if isinstance(model, str) else "", field)
+    key = prefix_key(canon, model if isinstance(model, str) else "", field)
+    if isinstance(model, str) and ":" in model:
+        adapter = model.split(":", 1)[1]
+        if adapter:
+            return b"L" + zlib.crc32(adapter.encode()).to_bytes(4, "big") + key
+    return key
 
 
 def common_prefix(a: bytes, b: bytes) -> int:
@@ -134,6 +154,7 @@ class PlanRow(NamedTuple):
     fp: str  # fingerprint, hex ("" for a row made before fingerprints)
     pos: int = 0  # its place in the plan (0: fed without one)
     cost: int = 0  # its expected work (max_tokens; UNBOUNDED_COST without one)
+    group: bytes = b""  # its LoRA adapter's group (`adapter_group`; b"": the base model, or fed without a plan)
 
 
 @dataclass(slots=True)
@@ -155,6 +176,7 @@ class Unit:
 @dataclass(slots=True)
 class _QueueLast:
     conversation: bytes | None = None  # the last prompt fed to the queue (its conversation)
+    group: bytes = b""  # ... and its LoRA adapter's group
 
 
 class Dealer:
@@ -174,16 +196,19 @@ class Dealer:
         out: list[Unit] = []
         unit: Unit | None = None
         prev: bytes | None = None
+        group = b""
         for row in rows:
             text = conversation(row.body)
             shared = common_prefix(prev, text) if prev is not None else 0
-            if unit is None or shared < SHARED_MIN or len(unit.rows) >= self.unit_max:
+            # a LoRA adapter's rows stay together (prefix or not); no unit crosses from one adapter to another
+            together = row.group == group and (shared >= SHARED_MIN or bool(group))
+            if unit is None or not together or len(unit.rows) >= self.unit_max:
                 unit = Unit()
                 out.append(unit)
             unit.rows.append(row)
             unit.shared.append(shared)
             unit.size += len(text)
-            prev = text
+            prev, group = text, row.group
         return out
 
     def deal(self, units: Sequence[Unit], room: dict[str, int]) -> dict[str, list[Unit]]:
@@ -199,13 +224,18 @@ class Dealer:
             if not open_:
                 break
             first = conversation(unit.rows[0].body)
-            q = self._best(open_, first)
+            q = self._best(open_, first, unit.rows[0].group)
             dealt[q].append(unit)
             left[q] -= len(unit.rows)
             self._account(q, unit, first)
         return dealt
 
-    def _best(self, queues: list[str], first: bytes) -> str:
+    def _best(self, queues: list[str], first: bytes, group: bytes = b"") -> str:
+        if group:  # a LoRA adapter's unit: to a queue whose last prompt ran the same adapter
+            for q in queues:
+                last = self.last.get(q)
+                if last is not None and last.group == group:
+                    return q
         best, best_shared = None, SHARED_MIN - 1
         for q in queues:
             last = self.last.get(q)
@@ -226,3 +256,4 @@ class Dealer:
         self.shared[q] = self.shared.get(q, 0) + sum(unit.shared)
         self.total[q] = self.total.get(q, 0) + unit.size
         last.conversation = conversation(unit.rows[-1].body)
+        last.group = unit.rows[-1].group

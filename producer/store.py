@@ -52,7 +52,7 @@ from typing import NamedTuple
 from batchfleet.records import ENDPOINTS
 
 from .fingerprint import FileFingerprint, canonical, canonical_request, fingerprint
-from .plan import PlanRow
+from .plan import GROUP_BYTES, PlanRow, adapter_group
 from .storefile import READABLE, SCHEMA_VERSION, connect, create, migrate
 
 __all__ = [
@@ -554,9 +554,10 @@ class Plan:
             self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (PLAN_STALE, repr(time.time())))
 
     def rebuild(self) -> int:
-        """Order the waiting prompts anew: longest expected work first, then by plan key (prompts that
-        share a prefix side by side), then input order; a store ordered by input keeps its inputs in
-        order first (each input's prompts side by side: read on per input, `next(file=)`). When no
+        """Order the waiting prompts anew: by LoRA adapter (the base model's first), longest expected
+        work first, then by plan key (prompts that share a prefix side by side), then input order; a
+        store ordered by input keeps its inputs in order first (each input's prompts side by side: read
+        on per input, `next(file=)`). When no
         waiting prompt has a key (all shorter than the first anchor) there is nothing to group: the plan
         is the feed's own order and no sorted pass is made. Returns how many are planned."""
         self.db.execute("DELETE FROM plan")
@@ -565,7 +566,9 @@ class Plan:
         n = 0
         if keyed is not None:
             by_input = self.store.get_meta(FEED_ORDER) == "input"
-            order = "file, cost DESC, pk, seq" if by_input else "cost DESC, pk, seq"
+            # a LoRA adapter's prompts together (producer/plan.py: its group starts a key of odd length)
+            group = f"CASE WHEN length(pk) % 2 THEN substr(pk, 1, {GROUP_BYTES}) END"
+            order = f"file, {group}, cost DESC, pk, seq" if by_input else f"{group}, cost DESC, pk, seq"
             n = self.db.execute(f"INSERT INTO plan (seq, file) SELECT seq, file FROM prompts WHERE state = 0 "
                                 f"ORDER BY {order}").rowcount
         self.db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
@@ -604,10 +607,10 @@ class Plan:
         where = "plan.pos > ?" if file is None else "plan.file = ? AND plan.pos > ?"
         args = (cursor, limit) if file is None else (file, cursor, limit)
         rows = self.db.execute(
-            "SELECT p.seq, p.cid, p.ep, p.body, p.fp, plan.pos, p.cost FROM plan JOIN prompts p ON p.seq = plan.seq "
-            f"WHERE {where} AND p.state = 0 ORDER BY plan.pos LIMIT ?", args)
-        return [PlanRow(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "", pos, cost)
-                for seq, cid, ep, body, fp, pos, cost in rows]
+            "SELECT p.seq, p.cid, p.ep, p.body, p.fp, plan.pos, p.cost, p.pk FROM plan "
+            f"JOIN prompts p ON p.seq = plan.seq WHERE {where} AND p.state = 0 ORDER BY plan.pos LIMIT ?", args)
+        return [PlanRow(seq, cid, ENDPOINTS[ep], body, fp.hex() if fp else "", pos, cost, adapter_group(pk))
+                for seq, cid, ep, body, fp, pos, cost, pk in rows]
 
     def advance(self, pos: int, *, file: int | None = None) -> None:
         """The prompts up to `pos` (of input `file`) are fed: the next read starts after it."""

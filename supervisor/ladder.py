@@ -10,11 +10,18 @@ high enough not to bind. How much bigger the pools get is predicted from the mem
 workers publish (`ServerFacts`, read from the server's start-up log and `/server_info`), with
 SGLang's sizing (reference §1):
 
-    rest(mf)  = memory_before_load * mf - weights - held      (held: activations, graphs; unknown)
+    rest(mf)  = memory_before_load * mf - weights - lora - held      (held: activations, graphs; unknown)
     so rest(mf') = rest(mf) + memory_before_load * (mf' - mf), with rest(mf) = KV pool + mamba pool
     both pools are a fixed share of rest: pool' + 1 = (pool + 1) * rest' / rest, tokens' likewise
     cap'      = min(pool' // slots_per_request', tokens' // 2, --max-running-requests')
 
+`lora` is a LoRA server's adapter pool (`model_executor/model_runner.py` allocates it after the
+weights, before the KV cache is sized): `--max-loras-per-batch` slots x the pool's rank x, per layer
+and target module, the A and B rows (`lora/mem_pool.py`; sglang_sim/lora.py `lora_pool_gb`), bf16: a
+constant of the server's LoRA flags, which no rung changes, so it drops out of rest(mf') - rest(mf) and
+the measured pools already exclude it. It makes a LoRA server another kind of server, though: its
+shape says `+lora<N>` (worker/flags.py `server_shape`), so the fleet's memory keeps its verified spec
+apart from the same GPU's without adapters, and its peers are LoRA servers with as many slots.
 Without those figures (a worker that does not publish them) the prediction is the slot ratio alone.
 The worker adds `--disable-overlap-schedule` where the server's version needs it. Radix off is only
 proposed when the measured cache hit rate says prefix caching buys little.

@@ -14,11 +14,11 @@ import subprocess
 from dataclasses import dataclass
 
 from batchfleet import sglang
-from batchfleet.config import Config
+from batchfleet.config import Config, lora_item
 from batchfleet.errors import ConfigError, ServerStartError
 from batchfleet.records import Strategy
 
-__all__ = ["ServerCLI", "build_argv", "parallel_flags", "read_server_cli", "server_shape", "tp_size_for"]
+__all__ = ["ServerCLI", "build_argv", "lora_flags", "parallel_flags", "read_server_cli", "server_shape", "tp_size_for"]
 
 NEW_STRATEGY_FLAG = "--mamba-radix-cache-strategy"  # 0.5.22+
 OLD_STRATEGY_FLAG = "--mamba-scheduler-strategy"  # before 0.5.22
@@ -137,6 +137,20 @@ def parallel_flags(config: Config, cli: ServerCLI, gpus: tuple[int, ...]) -> lis
                       f"{len(gpus)} GPUs")
 
 
+def lora_flags(config: Config) -> list[str]:
+    """The fleet's LoRA adapters (BATCHFLEET_LORA_PATHS) as SGLang 0.5.23 loads them at start:
+    `--enable-lora --lora-paths NAME=PATH ... [--max-loras-per-batch N]`; nothing without adapters. The
+    paths are passed as given: a directory with the PEFT `adapter_config.json` on the server's host, or a
+    hub id the server downloads."""
+    if not config.lora_paths:
+        return ["--max-loras-per-batch", str(config.max_loras_per_batch)] if config.max_loras_per_batch else []
+    items = [f"{name}={path}" for name, path in (lora_item(i) for i in config.lora_paths)]
+    out = ["--enable-lora", "--lora-paths", *items]
+    if config.max_loras_per_batch:
+        out += ["--max-loras-per-batch", str(config.max_loras_per_batch)]
+    return out
+
+
 def build_argv(config: Config, cli: ServerCLI, *, port: int, strategy: Strategy | str | None = None,
                mem_fraction_static: float | None = None, max_running_requests: int | None = None,
                gpus: tuple[int, ...] = (0,)) -> list[str]:
@@ -160,6 +174,7 @@ def build_argv(config: Config, cli: ServerCLI, *, port: int, strategy: Strategy 
     want += strategy_flags(strategy or config.strategy, cli)
     if config.priority_scheduling:
         want += PRIORITY_FLAGS
+    want += lora_flags(config)
     extra = config.server_argv_extra
     for token in extra:
         flag = token.split("=", 1)[0]
@@ -205,4 +220,14 @@ def server_shape(argv: list[str]) -> str:
         sizes[name] = int(value) if value.isdigit() and int(value) > 0 else 1
     shape = f"tp{sizes['tp']}" + (f"dp{sizes['dp']}" if sizes["dp"] > 1 else "") + \
         (f"pp{sizes['pp']}" if sizes["pp"] > 1 else "")
-    return shape + ("+dpattn" if dp_attention else "")
+    return shape + ("+dpattn" if dp_attention else "") + _lora_shape(argv)
+
+
+def _lora_shape(argv: list[str]) -> str:
+    """"+lora<N>" for a server with LoRA on (`--enable-lora` or `--lora-paths`; N its
+    `--max-loras-per-batch`, SGLang's 8 unset): its adapter slots take GPU memory before the KV cache is
+    sized, so it is another kind of server to the fleet's memory and the supervisor's peer groups."""
+    if "--enable-lora" not in argv and "--lora-paths" not in argv:
+        return ""
+    n = sglang.flag_value(argv, "--max-loras-per-batch")
+    return f"+lora{n if n and n.isdigit() else 8}"

@@ -88,7 +88,10 @@ class SpecFollower:
     # --- the fleet's memory -------------------------------------------------------------------------
     def _fingerprint(self) -> list[str]:
         c = self.config
-        return [c.model_path or "", c.sglang_cmd, c.server_args, self._slot]
+        fp = [c.model_path or "", c.sglang_cmd, c.server_args, self._slot]
+        if c.lora_paths or c.max_loras_per_batch:  # LoRA's slots take memory: another kind of server
+            fp += [",".join(c.lora_paths), str(c.max_loras_per_batch or "")]
+        return fp
 
     async def _recall(self) -> None:
         """Once: the spec the fleet's memory holds for this worker's kind (as its last server was)."""

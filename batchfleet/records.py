@@ -106,8 +106,9 @@ class EventKind(StrEnum):
     UNKNOWN = "unknown"  # a kind this version does not know (a newer process wrote it)
 
 
-# The OpenAI batch `url`s batchfleet serves, each the same path on an SGLang server.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# The OpenAI batch `url`s batchfleet serves, each the same path on an SGLang server. Append only: the
+# store keeps a prompt's url as its index here.
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ __all__ = [
     "check_messages",
     "check_prompt",
     "check_sampling",
+    "kind_mismatch",
 ]
 
 CHAT, COMPLETIONS, EMBEDDINGS = ENDPOINTS  # the urls a request may have, by name
@@ -199,6 +200,19 @@ def _check_embedding(body: dict[str, Any]) -> None:
                                 "encoding_format, user)")
         if not spec[0](value):
             raise InvalidPrompt(f"{key} must be {spec[1]}, got {_shown(value)}")
+
+
+def kind_mismatch(url: str, is_generation: bool | None) -> str | None:
+    """Why a request to `url` cannot run on a server of this kind (`/model_info`'s is_generation; None:
+    unknown, nothing said), or None when it can. An embedding server takes /v1/embeddings only, a
+    generation server anything else: one kind per model."""
+    if is_generation is None or (url == EMBEDDINGS) is not is_generation:
+        return None
+    if is_generation:
+        return (f"{url} needs an embedding server, and the fleet's servers generate (/model_info is_generation "
+                "true): start them with --is-embedding on an embedding model, or use a chat/completions run")
+    return (f"{url} needs a generation server, and the fleet's servers embed (/model_info is_generation false, "
+            "--is-embedding): they take /v1/embeddings requests only")
 
 
 def check_body(url: Any, body: Any, *, size_bytes: int | None = None) -> None:

@@ -222,6 +222,9 @@ class ServerFacts:
     kv_gb: float | None = None  # the KV pool
     mamba_gb: float | None = None  # the mamba state pool (conv + ssm)
     version: str = ""
+    # `/model_info`'s is_generation: False for an embedding server (`--is-embedding`), which takes
+    # /v1/embeddings requests only (None: the server did not say; an older worker's record)
+    is_generation: bool | None = None
 
     def __post_init__(self) -> None:
         enum_members(self)

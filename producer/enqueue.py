@@ -42,7 +42,7 @@ from typing import IO, Any, NamedTuple
 
 import orjson
 
-from batchfleet.prompts import EMBEDDINGS
+from batchfleet.prompts import EMBEDDINGS, kind_mismatch
 from batchfleet.records import ENDPOINTS
 from batchfleet.redact import private_file
 
@@ -54,7 +54,7 @@ from .progress import Reporter
 from .store import UNBOUNDED_COST, Known, Span, State, Store, StoreError
 
 __all__ = ["ChangedRequests", "EmptyInput", "EnqueueSummary", "Fault", "MixedKinds", "Problem", "Request", "Whole",
-           "cost_of", "enqueue_file", "enqueue_whole", "read_requests"]
+           "WrongKind", "cost_of", "enqueue_file", "enqueue_whole", "read_requests"]
 
 BATCH = 5000  # prompts per store transaction
 MAX_MESSAGES = 100  # reject lines echoed on stderr; all of them go to the rejects file
@@ -72,6 +72,11 @@ class EmptyInput(StoreError):
 class ChangedRequests(StoreError):
     """Lines of the file ask other requests than the store holds for their custom_ids, and
     `--rerun-changed` was not given: nothing of the file was stored (exit 2)."""
+
+
+class WrongKind(StoreError):
+    """The run's live workers serve the other kind (their servers' `/model_info` is_generation): an
+    embedding file for a generation fleet, or the other way round. Nothing of the file was stored (exit 2)."""
 
 
 class MixedKinds(StoreError):
@@ -271,7 +276,8 @@ class _Writer:
     `rerun`, replaced), and repeats in this file are duplicates or rejects."""
 
     def __init__(self, store: Store, source: Lines, summary: EnqueueSummary, reject: Callable[..., None], *,
-                 rerun: bool, take_failed: Callable[[list[tuple[int, str]]], None] | None) -> None:
+                 rerun: bool, take_failed: Callable[[list[tuple[int, str]]], None] | None,
+                 generates: bool | None = None) -> None:
         self.store = store
         self.source = source
         self.summary = summary
@@ -287,19 +293,27 @@ class _Writer:
         self.first_lines = _FirstLines(self.start_seq)
         self.file_fp = FileFingerprint()
         self.batch: list[_Row] = []
-        self.planned = store.plan.on
+        self.planned = store.plan.on  # each prompt's plan key, unless the run is fed without a plan
         with store.read():
             held = {ep == _EMBED_EP for ep in store.endpoints()}
         # The run's kind (embedding or not): the store's, else this file's first line's. A store that
         # holds both kinds (made before this rule) is never refused.
         self.held = bool(held)
         self.embed: bool | None = next(iter(held)) if len(held) == 1 else None
-        self.mixed_ok = len(held) > 1  # each prompt's plan key, unless the run is fed without a plan
+        self.mixed_ok = len(held) > 1
+        self.generates = generates  # what the run's live workers serve (None: unknown, or checked already)
 
     def add(self, cid: str, url: str, body: dict[str, Any], lineno: int, raw: bytes, length: int) -> None:
         canon, fp = canonical_request(url, body)  # stored so: one encoding serves the store and the fingerprint
         pk = plan_key(canon, body) if self.planned else None
         ep = _EP[url]
+        if self.generates is not None:  # the first request: can the fleet run it?
+            reason = kind_mismatch(url, self.generates)
+            self.generates = None
+            if reason:
+                name = self.source.name
+                raise WrongKind(f"{name}:{lineno}: {reason} (the run's live workers said so); nothing of {name} "
+                                "was enqueued")
         if (ep == _EMBED_EP) is not self.embed and not self.mixed_ok:
             self._other_kind(ep, lineno)
         self.batch.append(_row((cid, ep, canon, self.file_id, lineno, cost_of(body), fp, pk, raw, length)))
@@ -450,10 +464,14 @@ class _Writer:
 
 def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model: str,
                  rejects_path: Path | None = None, progress: bool = True, rerun_changed: bool = False,
-                 take_failed: Callable[[list[tuple[int, str]]], None] | None = None) -> EnqueueSummary:
+                 take_failed: Callable[[list[tuple[int, str]]], None] | None = None,
+                 generates: bool | None = None) -> EnqueueSummary:
     """Write every valid line of `source` to the store. Messages and progress go to stderr. Raises
     ChangedRequests (nothing of the file stored) when a known custom_id's request changed and not
-    `rerun_changed`; with it, `take_failed((seq, cid)...)` takes their failed jobs out of Redis."""
+    `rerun_changed`; with it, `take_failed((seq, cid)...)` takes their failed jobs out of Redis.
+    MixedKinds when embedding and generation requests meet in the file or the run, WrongKind when the
+    run's servers are of the other kind (`generates`: their `/model_info` is_generation, None unknown):
+    nothing of the file stored."""
     name = source.name
     summary = EnqueueSummary(rejects_path=rejects_path or Path(f"{name}.rejects.jsonl"))
     rejects = _Rejects(summary.rejects_path)
@@ -473,7 +491,8 @@ def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model
             report.message(f"... further rejects only in {summary.rejects_path}")
         rejects.write(name, lineno, reason, raw, length)
 
-    writer = _Writer(store, source, summary, reject, rerun=rerun_changed, take_failed=take_failed)
+    writer = _Writer(store, source, summary, reject, rerun=rerun_changed, take_failed=take_failed,
+                     generates=generates)
     try:
         for lineno, raw, length, got in read_requests(source, defaults, model):
             summary.lines += 1

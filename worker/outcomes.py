@@ -51,8 +51,10 @@ class Outcomes:
         self.on_completion(result.completion_tokens)
         self.ledger.finish(flight.claim, result)
 
-    def fail(self, flight: Flight, status: int, code: ErrorCode, message: str, body: object = None) -> None:
-        """`body`: the server's error answer (JSON), exported as its response body; kept only as an object."""
+    def fail(self, flight: Flight, status: int, code: ErrorCode, message: str, body: object = None, *,
+             quiet: bool = False) -> None:
+        """`body`: the server's error answer (JSON), exported as its response body; kept only as an object.
+        `quiet`: no log line (the caller said why once for many)."""
         prompt = flight.prompt
         assert prompt is not None
         message = self.scrub(message)
@@ -62,7 +64,8 @@ class Outcomes:
         flight.settle()
         self.tally.failed += 1
         self.turnover.finished(time.monotonic())
-        log.warning("prompt %s failed (%s): %s", result.cid, code, message)
+        if not quiet:
+            log.warning("prompt %s failed (%s): %s", result.cid, code, message)
         self.ledger.finish(flight.claim, result, exc_string=f"{code}: {message}")
 
     def refuse(self, flight: Flight, reason: str) -> None:

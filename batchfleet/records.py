@@ -225,6 +225,9 @@ class ServerFacts:
     # `/model_info`'s is_generation: False for an embedding server (`--is-embedding`), which takes
     # /v1/embeddings requests only (None: the server did not say; an older worker's record)
     is_generation: bool | None = None
+    # new tokens one prefill forward takes: min(chunked_prefill_size, max_prefill_tokens) (None: not said).
+    # An embedding finishes in the forward that admits it, so this, not the slots, bounds what runs at once.
+    prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         enum_members(self)

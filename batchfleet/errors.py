@@ -39,6 +39,8 @@ class ErrorCode(StrEnum):
     RETRIES_EXHAUSTED = "retries_exhausted"  # RetryableError, max_attempts times
     SERVER_CRASH = "server_crash"  # quarantined: its server died with it inside, the last time alone
     CANCELLED = "cancelled"  # `producer cancel` took it back before it had a result
+    # a /v1/embeddings request on a generation fleet, or a generation request on an embedding one: never sent
+    WRONG_KIND = "wrong_endpoint_kind"
     # a `batchfleet serve` batch's request that never ran, in OpenAI's words (its error file's lines)
     BATCH_CANCELLED = "batch_cancelled"  # the batch was cancelled before it had a result
     BATCH_EXPIRED = "batch_expired"  # the batch's completion window ended before it had a result

@@ -112,6 +112,13 @@ class FleetView:
         return [w for w in self.workers if w.worker not in self.silent]
 
     @property
+    def is_generation(self) -> bool | None:
+        """What the live workers' servers are (`ServerFacts.is_generation`): True generation, False
+        embedding; None while none has said, or when they disagree (a fleet of both kinds)."""
+        said = {w.facts.is_generation for w in self.live if w.facts is not None and w.facts.is_generation is not None}
+        return said.pop() if len(said) == 1 else None
+
+    @property
     def capacity(self) -> dict[str, int]:
         """Queue -> the effective capacity of its live worker (validated: a record is data)."""
         out: dict[str, int] = {}

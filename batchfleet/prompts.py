@@ -8,7 +8,9 @@ is the OpenAI request as sent, with canonical key names only:
 
 - `/v1/chat/completions`: `messages` (a non-empty list of `{role, content}`), no `prompt`;
 - `/v1/completions`: `prompt` (a string, or a list of token ids), no `messages`;
-- besides those, only `BODY_KEYS` (model, user, tools, ...) and `SAMPLING_KEYS` (OpenAI's sampling
+- `/v1/embeddings`: `input` (`check_input`), and only `EMBEDDING_KEYS` besides (model, user,
+  dimensions, encoding_format): no sampling, an embedding server generates nothing;
+- besides those (chat, completions), only `BODY_KEYS` (model, user, tools, ...) and `SAMPLING_KEYS` (OpenAI's sampling
   names, each type-checked); no `stream`;
 - at most `MAX_BODY_BYTES` of JSON.
 
@@ -29,17 +31,21 @@ __all__ = [
     "BODY_KEYS",
     "CHAT",
     "COMPLETIONS",
+    "EMBEDDINGS",
+    "EMBEDDING_KEYS",
     "MAX_BODY_BYTES",
     "SAMPLING_KEYS",
     "STREAM_REASON",
     "InvalidPrompt",
     "check_body",
+    "check_input",
     "check_messages",
     "check_prompt",
     "check_sampling",
+    "kind_mismatch",
 ]
 
-CHAT, COMPLETIONS = ENDPOINTS  # the two urls a request may have, by name
+CHAT, COMPLETIONS, EMBEDDINGS = ENDPOINTS  # the urls a request may have, by name
 
 # A prompt's request body as JSON (and an input line) may not be larger than this. 10 MB prompts are
 # a real use; a job that asks for more is refused rather than sent.
@@ -101,6 +107,13 @@ BODY_KEYS: dict[str, _Check] = {
     "tool_choice": (lambda v: isinstance(v, _STR_OR_DICT), "a string or an object"),
     "logit_bias": (lambda v: isinstance(v, dict), "an object"),
 }
+# An embedding body's keys besides `input` (OpenAI's; SGLang 0.5.23 `EmbeddingRequest` takes them).
+EMBEDDING_KEYS: dict[str, _Check] = {
+    "model": (lambda v: isinstance(v, str), "a string"),
+    "user": (lambda v: isinstance(v, str), "a string"),
+    "dimensions": (lambda v: _int(v) and v > 0, "a positive integer"),
+    "encoding_format": (lambda v: v in ("float", "base64"), '"float" or "base64"'),
+}
 _SPECS = {**SAMPLING_KEYS, **BODY_KEYS}  # every key a body may hold besides messages and prompt
 # Other spellings an input line may use; a body as sent holds the canonical name only.
 ALIASES = {"max_new_tokens": "max_tokens"}
@@ -145,6 +158,63 @@ def check_prompt(v: Any) -> None:
         raise InvalidPrompt("prompt must be a string (or a list of token ids)")
 
 
+def check_input(v: Any) -> None:
+    """An embedding request's `input`, as OpenAI takes it: a non-empty string, a non-empty list of
+    non-empty strings, a non-empty list of token ids (one input), or a non-empty list of such lists."""
+    if isinstance(v, str):
+        if not v.strip():
+            raise InvalidPrompt("input must not be empty or whitespace only")
+        return
+    if not isinstance(v, list) or not v:
+        raise InvalidPrompt("input must be a string, a list of strings, or token ids (a list of integers, "
+                            "or a list of such lists), not empty")
+    first = v[0]
+    if isinstance(first, str):
+        for i, s in enumerate(v):
+            if not isinstance(s, str) or not s.strip():
+                raise InvalidPrompt(f"input[{i}] must be a non-empty string (input is a list of strings)")
+    elif _int(first):
+        if not all(_int(t) and t >= 0 for t in v):
+            raise InvalidPrompt("input must be token ids: a list of non-negative integers")
+    elif isinstance(first, list):
+        for i, ids in enumerate(v):
+            if not isinstance(ids, list) or not ids or not all(_int(t) and t >= 0 for t in ids):
+                raise InvalidPrompt(f"input[{i}] must be a non-empty list of non-negative integers (token ids)")
+    else:
+        raise InvalidPrompt("input must be a string, a list of strings, or token ids (a list of integers, "
+                            "or a list of such lists)")
+
+
+def _check_embedding(body: dict[str, Any]) -> None:
+    if "input" not in body:
+        raise InvalidPrompt("a /v1/embeddings body has no input")
+    check_input(body["input"])
+    for key, value in body.items():
+        if key == "input":
+            continue
+        spec = EMBEDDING_KEYS.get(key)
+        if spec is None:
+            if key == "stream":
+                raise InvalidPrompt(STREAM_REASON)
+            raise InvalidPrompt(f"{key!r} is not a /v1/embeddings key (it takes input, model, dimensions, "
+                                "encoding_format, user)")
+        if not spec[0](value):
+            raise InvalidPrompt(f"{key} must be {spec[1]}, got {_shown(value)}")
+
+
+def kind_mismatch(url: str, is_generation: bool | None) -> str | None:
+    """Why a request to `url` cannot run on a server of this kind (`/model_info`'s is_generation; None:
+    unknown, nothing said), or None when it can. An embedding server takes /v1/embeddings only, a
+    generation server anything else: one kind per model."""
+    if is_generation is None or (url == EMBEDDINGS) is not is_generation:
+        return None
+    if is_generation:
+        return (f"{url} needs an embedding server, and the fleet's servers generate (/model_info is_generation "
+                "true): start them with --is-embedding on an embedding model, or use a chat/completions run")
+    return (f"{url} needs a generation server, and the fleet's servers embed (/model_info is_generation false, "
+            "--is-embedding): they take /v1/embeddings requests only")
+
+
 def check_body(url: Any, body: Any, *, size_bytes: int | None = None) -> None:
     """Raise InvalidPrompt unless `(url, body)` is a request batchfleet sends to a server as is.
 
@@ -154,7 +224,9 @@ def check_body(url: Any, body: Any, *, size_bytes: int | None = None) -> None:
         raise InvalidPrompt(f"unknown url {_shown(url)} (want {' or '.join(ENDPOINTS)})")
     if not isinstance(body, dict):
         raise InvalidPrompt("body must be an object")
-    if url == CHAT:
+    if url == EMBEDDINGS:
+        _check_embedding(body)
+    elif url == CHAT:
         if "prompt" in body:
             raise InvalidPrompt("a /v1/chat/completions body takes messages, not prompt")
         check_messages(body.get("messages"))
@@ -164,7 +236,7 @@ def check_body(url: Any, body: Any, *, size_bytes: int | None = None) -> None:
         if "prompt" not in body:
             raise InvalidPrompt("body has no prompt")
         check_prompt(body["prompt"])
-    for key, value in body.items():
+    for key, value in () if url == EMBEDDINGS else body.items():
         spec = _SPECS.get(key)
         if spec is None:
             if key in ("messages", "prompt"):

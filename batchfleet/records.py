@@ -106,8 +106,9 @@ class EventKind(StrEnum):
     UNKNOWN = "unknown"  # a kind this version does not know (a newer process wrote it)
 
 
-# The OpenAI batch `url`s batchfleet serves, each the same path on an SGLang server.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# The OpenAI batch `url`s batchfleet serves, each the same path on an SGLang server. Append only: the
+# store keeps a prompt's url as its index here.
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +222,12 @@ class ServerFacts:
     kv_gb: float | None = None  # the KV pool
     mamba_gb: float | None = None  # the mamba state pool (conv + ssm)
     version: str = ""
+    # `/model_info`'s is_generation: False for an embedding server (`--is-embedding`), which takes
+    # /v1/embeddings requests only (None: the server did not say; an older worker's record)
+    is_generation: bool | None = None
+    # new tokens one prefill forward takes: min(chunked_prefill_size, max_prefill_tokens) (None: not said).
+    # An embedding finishes in the forward that admits it, so this, not the slots, bounds what runs at once.
+    prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         enum_members(self)

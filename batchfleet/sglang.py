@@ -28,6 +28,7 @@ __all__ = [
     "effective_capacity",
     "flag_value",
     "get_server_info",
+    "is_generation",
     "make_client",
     "parse_metrics",
 ]
@@ -174,6 +175,18 @@ async def get_server_info(client: SGLangClient) -> dict[str, Any]:
             raise RetryableError(f"{path}: not a JSON object: {content[:200]!r}", status_code=status)
         return info
     raise RetryableError("server has neither /server_info nor /get_server_info")
+
+
+async def is_generation(client: SGLangClient) -> bool | None:
+    """`/model_info`'s `is_generation` (0.5.23, `http_server.py` `get_model_info`): False on a server
+    started with `--is-embedding`, which serves `/v1/embeddings` (a generation request would be
+    prefilled through its pooler and kill the scheduler at its first decode). None: not said."""
+    try:
+        status, content = await client.get("/model_info", timeout_s=30.0)
+        value = orjson.loads(content).get("is_generation") if status == 200 else None
+    except (ConnectionError, TimeoutError, orjson.JSONDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
 
 
 def effective_capacity(info: dict[str, Any]) -> int | None:

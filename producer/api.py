@@ -146,7 +146,8 @@ def enqueue(config: Config, r: redis.Redis, path: str | Path, *, queues: tuple[s
 
             s = enqueue_file(loc.store, source, defaults=defaults or {}, model=model, rejects_path=rejects_path,
                              progress=progress, rerun_changed=rerun_changed, take_failed=take_failed,
-                             adapters=frozenset(config.lora_adapters))
+                             adapters=frozenset(config.lora_adapters),
+                             generates=read_fleet_view(r, keys).is_generation)
             fed = feed_pass(config, r, loc.store, marker.queues)
             with loc.store.read():
                 waiting = loc.store.counts()["waiting"]

@@ -239,7 +239,7 @@ def _export(args: argparse.Namespace, config: Config, r: redis.Redis, loc: Locat
         raise UsageError(str(exc)) from None
     except OSError as exc:  # e.g. the disk filled up while writing
         raise UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from None
-    if ex.succeeded + ex.failed + ex.pending == 0:
+    if ex.succeeded + ex.failed + ex.pending + ex.cancelled == 0:
         print(f"producer: run {config.run} has no prompts in its store {loc.store.path}: nothing to export "
               "(wrong --run?)", file=sys.stderr)
         return 2

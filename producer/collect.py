@@ -38,6 +38,10 @@ from .trim import trim_failed
 __all__ = ["CollectSummary", "collect_once", "redis_time_s"]
 
 BATCH = 1000
+# A page of the stream holds at most about this many bytes of results: an embedding's result carries its
+# vectors (~20 KB of JSON a 1024-dimension input), so 1000 of them would be hundreds of MB in the head.
+PAGE_BYTES = 16 * 1024 * 1024
+FIRST_PAGE = 100
 SHOW_REJECTED = 3  # rejected entries described one by one per pass; the rest only counted
 
 
@@ -84,10 +88,14 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
     log = log or sys.stderr
     out = CollectSummary()
     said = 0
+    count = min(batch, FIRST_PAGE)  # then sized by what the entries weigh
     while True:
-        entries = r.xrange(keys.results, min="-", max="+", count=batch)
+        entries = r.xrange(keys.results, min="-", max="+", count=count)
         if not entries:
             return out
+        size = sum(len(f.get(b"r", b"")) for _, f in entries)
+        full = len(entries) >= count  # more may wait
+        count = max(1, min(batch, int(PAGE_BYTES * len(entries) / max(size, 1))))
         parsed: list[tuple[bytes, Result | None, str]] = []
         for eid, fields in entries:
             try:
@@ -143,8 +151,8 @@ def collect_once(r: redis.Redis, store: Store, keys: Keys, *, batch: int = BATCH
         if stale:
             print(f"collect: dropped {len(stale)} late result(s) of requests `enqueue --rerun-changed` replaced; "
                   "those prompts run again with their new request", file=log, flush=True)
-        if said > SHOW_REJECTED and len(entries) < batch:
+        if said > SHOW_REJECTED and not full:
             print(f"collect: dropped {said} result(s) in all that answer no prompt of run {keys.run}",
                   file=log, flush=True)
-        if len(entries) < batch:
+        if not full:
             return out

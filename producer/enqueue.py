@@ -42,6 +42,7 @@ from typing import IO, Any, NamedTuple
 
 import orjson
 
+from batchfleet.prompts import EMBEDDINGS, kind_mismatch
 from batchfleet.records import ENDPOINTS
 from batchfleet.redact import private_file
 
@@ -52,8 +53,8 @@ from .plan import plan_key
 from .progress import Reporter
 from .store import UNBOUNDED_COST, Known, Span, State, Store, StoreError
 
-__all__ = ["ChangedRequests", "EmptyInput", "EnqueueSummary", "Fault", "Problem", "Request", "Whole", "cost_of",
-           "enqueue_file", "enqueue_whole", "read_requests", "unknown_adapter"]
+__all__ = ["ChangedRequests", "EmptyInput", "EnqueueSummary", "Fault", "MixedKinds", "Problem", "Request", "Whole",
+           "WrongKind", "cost_of", "enqueue_file", "enqueue_whole", "read_requests", "unknown_adapter"]
 
 BATCH = 5000  # prompts per store transaction
 MAX_MESSAGES = 100  # reject lines echoed on stderr; all of them go to the rejects file
@@ -71,6 +72,23 @@ class EmptyInput(StoreError):
 class ChangedRequests(StoreError):
     """Lines of the file ask other requests than the store holds for their custom_ids, and
     `--rerun-changed` was not given: nothing of the file was stored (exit 2)."""
+
+
+class WrongKind(StoreError):
+    """The run's live workers serve the other kind (their servers' `/model_info` is_generation): an
+    embedding file for a generation fleet, or the other way round. Nothing of the file was stored (exit 2)."""
+
+
+class MixedKinds(StoreError):
+    """The file holds embedding lines and generation lines (or the run holds the other kind already):
+    a server is one or the other, so a run is too. Nothing of the file was stored (exit 2)."""
+
+
+_EMBED_EP = ENDPOINTS.index(EMBEDDINGS)
+
+
+def _kind(ep: int) -> str:
+    return "embedding" if ep == _EMBED_EP else "generation"
 
 
 @dataclass
@@ -271,7 +289,8 @@ class _Writer:
     `rerun`, replaced), and repeats in this file are duplicates or rejects."""
 
     def __init__(self, store: Store, source: Lines, summary: EnqueueSummary, reject: Callable[..., None], *,
-                 rerun: bool, take_failed: Callable[[list[tuple[int, str]]], None] | None) -> None:
+                 rerun: bool, take_failed: Callable[[list[tuple[int, str]]], None] | None,
+                 generates: bool | None = None) -> None:
         self.store = store
         self.source = source
         self.summary = summary
@@ -288,13 +307,45 @@ class _Writer:
         self.file_fp = FileFingerprint()
         self.batch: list[_Row] = []
         self.planned = store.plan.on  # each prompt's plan key, unless the run is fed without a plan
+        with store.read():
+            held = {ep == _EMBED_EP for ep in store.endpoints()}
+        # The run's kind (embedding or not): the store's, else this file's first line's. A store that
+        # holds both kinds (made before this rule) is never refused.
+        self.held = bool(held)
+        self.embed: bool | None = next(iter(held)) if len(held) == 1 else None
+        self.mixed_ok = len(held) > 1
+        self.generates = generates  # what the run's live workers serve (None: unknown, or checked already)
 
     def add(self, cid: str, url: str, body: dict[str, Any], lineno: int, raw: bytes, length: int) -> None:
         canon, fp = canonical_request(url, body)  # stored so: one encoding serves the store and the fingerprint
         pk = plan_key(canon, body) if self.planned else None
-        self.batch.append(_row((cid, _EP[url], canon, self.file_id, lineno, cost_of(body), fp, pk, raw, length)))
+        ep = _EP[url]
+        if self.generates is not None:  # the first request: can the fleet run it?
+            reason = kind_mismatch(url, self.generates)
+            self.generates = None
+            if reason:
+                name = self.source.name
+                raise WrongKind(f"{name}:{lineno}: {reason} (the run's live workers said so); nothing of {name} "
+                                "was enqueued")
+        if (ep == _EMBED_EP) is not self.embed and not self.mixed_ok:
+            self._other_kind(ep, lineno)
+        self.batch.append(_row((cid, ep, canon, self.file_id, lineno, cost_of(body), fp, pk, raw, length)))
         if len(self.batch) >= BATCH:
             self.flush()
+
+    def _other_kind(self, ep: int, lineno: int) -> None:
+        if self.embed is None:  # the first line: the run's kind
+            self.embed = ep == _EMBED_EP
+            return
+        name, run = self.source.name, self.store.run
+        where = f"run {run} holds" if self.held else f"the lines before it in {name} are"
+        self.batch.clear()
+        if self.stage is None:
+            with self.store.write():
+                self.store.forget_waiting(self.start_seq, self.file_id)
+        raise MixedKinds(f"{name}:{lineno}: a {_kind(ep)} request ({ENDPOINTS[ep]}), but {where} "
+                         f"{_kind(_EMBED_EP if self.embed else 0)} requests; a server either embeds or generates, "
+                         f"so a run holds one kind: nothing of {name} was enqueued (split the file, one run each)")
 
     def _mine(self, k: Known) -> bool:
         """Was this stored prompt written from an earlier line of this file, by this enqueue?"""
@@ -427,11 +478,14 @@ class _Writer:
 def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model: str,
                  rejects_path: Path | None = None, progress: bool = True, rerun_changed: bool = False,
                  take_failed: Callable[[list[tuple[int, str]]], None] | None = None,
-                 adapters: frozenset[str] | None = None) -> EnqueueSummary:
+                 adapters: frozenset[str] | None = None, generates: bool | None = None) -> EnqueueSummary:
     """Write every valid line of `source` to the store (a line naming a LoRA adapter outside `adapters`,
     when given, is rejected). Messages and progress go to stderr. Raises
     ChangedRequests (nothing of the file stored) when a known custom_id's request changed and not
-    `rerun_changed`; with it, `take_failed((seq, cid)...)` takes their failed jobs out of Redis."""
+    `rerun_changed`; with it, `take_failed((seq, cid)...)` takes their failed jobs out of Redis.
+    MixedKinds when embedding and generation requests meet in the file or the run, WrongKind when the
+    run's servers are of the other kind (`generates`: their `/model_info` is_generation, None unknown):
+    nothing of the file stored."""
     name = source.name
     summary = EnqueueSummary(rejects_path=rejects_path or Path(f"{name}.rejects.jsonl"))
     rejects = _Rejects(summary.rejects_path)
@@ -451,7 +505,8 @@ def enqueue_file(store: Store, source: Lines, *, defaults: dict[str, Any], model
             report.message(f"... further rejects only in {summary.rejects_path}")
         rejects.write(name, lineno, reason, raw, length)
 
-    writer = _Writer(store, source, summary, reject, rerun=rerun_changed, take_failed=take_failed)
+    writer = _Writer(store, source, summary, reject, rerun=rerun_changed, take_failed=take_failed,
+                     generates=generates)
     try:
         for lineno, raw, length, got in read_requests(source, defaults, model, adapters=adapters):
             summary.lines += 1

@@ -99,22 +99,34 @@ class _Target:
         if compression_of(path) == "parquet":
             os.close(fd)
             self.rows = []
+            self._parquet: Any = None
         else:
             self.fh = self.stack.enter_context(open_output(fd, path))
 
     def write(self, line: bytes) -> None:
         if self.rows is not None:
             self.rows.append(_parquet_row(orjson.loads(line)))
+            if len(self.rows) >= PARQUET_ROWS:
+                self._flush_rows()
         else:
             self.fh.write(line)
             self.fh.write(b"\n")
 
+    def _flush_rows(self) -> None:
+        """Parquet in row groups of PARQUET_ROWS: the export holds one group at a time, never the whole
+        run (a million embeddings are gigabytes of vectors)."""
+        assert self.rows is not None
+        pa, pq = _pyarrow()
+        schema = pa.schema([(name, pa.int64() if name == "status_code" else pa.string()) for name in PARQUET_COLUMNS])
+        if self._parquet is None:
+            self._parquet = self.stack.enter_context(pq.ParquetWriter(self.tmp, schema))
+        self._parquet.write_table(pa.Table.from_pylist(self.rows, schema=schema))
+        self.rows.clear()
+
     def commit(self) -> None:
+        if self.rows is not None and (self.rows or self._parquet is None):
+            self._flush_rows()
         self.stack.close()
-        if self.rows is not None:
-            pa, pq = _pyarrow()
-            pq.write_table(pa.Table.from_pylist(self.rows, schema=pa.schema(
-                [(name, pa.int64() if name == "status_code" else pa.string()) for name in PARQUET_COLUMNS])), self.tmp)
         os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
@@ -123,6 +135,8 @@ class _Target:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp)
 
+
+PARQUET_ROWS = 10_000  # rows per Parquet row group (what the export holds at once)
 
 # Parquet columns: the batch output line flattened; bodies stay JSON text.
 PARQUET_COLUMNS = ("id", "custom_id", "status_code", "request_id", "body", "error_code", "error_message")

@@ -35,14 +35,16 @@ import redis
 
 from batchfleet.config import Config
 from batchfleet.connection import connect, redacted
-from batchfleet.errors import RecordError
-from batchfleet.fleetview import read_fleet_view
+from batchfleet.errors import ErrorCode, RecordError
+from batchfleet.fleetview import FleetView, read_fleet_view
 from batchfleet.keys import STORE_PENDING, STORE_WAITING, Keys
 from batchfleet.marker import RunMarker, read_marker, repair_command
+from batchfleet.prompts import EMBEDDINGS, kind_mismatch
+from batchfleet.records import ENDPOINTS
 from batchfleet.redact import Scrubber
 
 from .collect import CollectSummary, collect_once
-from .ends import expire_finished, mark_ended, refeed
+from .ends import cancel_prompts, cancelled_line, expire_finished, mark_ended, refeed
 from .feed import DrainMeter, Feeder
 from .locate import Access, NoStore, ensure_marker, locate
 from .recover import audit, recover
@@ -158,6 +160,8 @@ class Head:
             pipe.execute()
             self.say(f"run {self.config.run} has prompts to run again: its keys no longer expire")
         view = read_fleet_view(self.r, self.keys)
+        if self._fail_other_kind(view):
+            return
         self.meter.update({name: int(v) for name, v in view.stats.items()})
         if time.monotonic() >= self.next_audit:
             self.next_audit = time.monotonic() + self.audit_s
@@ -175,6 +179,35 @@ class Head:
             self.say(f"+{got.succeeded:,} ok, +{got.failed:,} failed (total {self.total.succeeded:,} ok, "
                      f"{self.total.failed:,} failed); fed {fed.total:,}{' (' + per_queue + ')' if per_queue else ''}; "
                      f"{counts['waiting']:,} waiting in the store, {counts['pending']:,} pending")
+
+    def _fail_other_kind(self, view: FleetView) -> bool:
+        """The fleet's servers are of one kind (`/model_info` is_generation, in their status records) and
+        prompts of the run ask the other (an embedding on a generation fleet, a chat on an embedding
+        one): they can never run here. Each such input's prompts without a result end at once, never
+        sent, with error code `wrong_endpoint_kind` and the reason in the export; one line says so.
+        True when it failed some."""
+        generates = view.is_generation
+        if generates is None:
+            return False
+        embed_ep = ENDPOINTS.index(EMBEDDINGS)
+        wrong = [embed_ep] if generates else [i for i in range(len(ENDPOINTS)) if i != embed_ep]
+        assert self.store is not None
+        with self.store.read():
+            spans = self.store.unfinished_of(wrong)
+        if not spans:
+            return False
+        at, run, failed = time.time(), self.config.run, 0
+        for ep, span in spans:
+            reason = kind_mismatch(ENDPOINTS[ep], generates) or ""
+
+            def line(cid: str, reason: str = reason) -> bytes:
+                return cancelled_line(run, cid, at, code=ErrorCode.WRONG_KIND, message=f"not sent: {reason}")
+
+            failed += cancel_prompts(self.r, self.store, self.keys, line, at, span=span).cancelled
+        urls = sorted({ENDPOINTS[ep] for ep, _ in spans})
+        self.say(f"{failed:,} prompt(s) of run {run} failed without being sent: "
+                 f"{kind_mismatch(urls[0], generates)} (export error code {ErrorCode.WRONG_KIND})")
+        return True
 
     def _pause(self) -> None:
         """Until the next pass: `interval_s`, or less when something is pushed to `Keys.wake` (serve stored

@@ -3,10 +3,12 @@
 Two line formats are accepted:
 
 - OpenAI batch input: `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-  "/v1/completions", "body": {"messages": [...]} | {"prompt": ...}}`; the body is sent as is.
+  "/v1/completions" | "/v1/embeddings", "body": {"messages": [...]} | {"prompt": ...} | {"input": ...}}`;
+  the body is sent as is.
 - Simple: `{"id" | "custom_id", "prompt": str | "messages": [{role, content}], <sampling>...}`,
   sampling parameters at top level or under `sampling_params`. `prompt` -> `/v1/completions`,
-  `messages` -> `/v1/chat/completions`.
+  `messages` -> `/v1/chat/completions`; `input` (with `dimensions`, `encoding_format` at top level)
+  -> `/v1/embeddings`.
 
 A LoRA adapter is named as SGLang 0.5.23's OpenAI endpoints take it (`serving_base.py`
 `_parse_model_parameter`, `_resolve_lora_path`): `model: "<base>:<adapter>"` (split at the first `:`;
@@ -31,6 +33,7 @@ from batchfleet.prompts import (
     BODY_KEYS,
     CHAT,
     COMPLETIONS,
+    EMBEDDINGS,
     SAMPLING_KEYS,
     STREAM_REASON,
     InvalidPrompt,
@@ -165,6 +168,10 @@ def _parse_batch(d: dict[str, Any], defaults: dict[str, Any], model: str) -> tup
         raise Reject("body must be an object")
     if body.get("stream"):
         raise Reject(STREAM_REASON)
+    if url == EMBEDDINGS:  # no sampling: the body as it is (check_body holds it to the embedding keys)
+        out = dict(body)
+        _fill(out, {}, defaults, model)
+        return cid, url, out
     if _PLAIN_KEYS.issuperset(body):  # every key by its own name, no alias, no stream: the body as it is
         out = dict(body)
         _fill(out, {}, defaults, model)
@@ -184,6 +191,10 @@ def _parse_batch(d: dict[str, Any], defaults: dict[str, Any], model: str) -> tup
 
 def _parse_simple(d: dict[str, Any], defaults: dict[str, Any], model: str) -> tuple[str, str, dict[str, Any]]:
     cid = _cid(d, "custom_id", "id")
+    if "input" in d and "prompt" not in d and "messages" not in d:
+        body = {k: v for k, v in d.items() if k not in ("id", "custom_id")}
+        _fill(body, {}, defaults, model)
+        return cid, EMBEDDINGS, body
     has_prompt, has_messages = "prompt" in d, "messages" in d
     if has_prompt == has_messages:
         raise Reject("both prompt and messages" if has_prompt else "no prompt or messages")

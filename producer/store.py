@@ -360,6 +360,24 @@ class Store(StoreReads):
     def max_seq(self) -> int:
         return self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM prompts").fetchone()[0]
 
+    def endpoints(self) -> set[int]:
+        """The endpoints (indices into ENDPOINTS) of the store's prompts: a run holds one kind."""
+        return {ep for (ep,) in self.db.execute("SELECT DISTINCT ep FROM prompts")}
+
+    def unfinished_of(self, eps: Sequence[int]) -> list[tuple[int, Span]]:
+        """(endpoint, the span of seqs) of each input's prompts without a result asking one of `eps`."""
+        marks = ",".join("?" * len(eps))
+        rows = self.db.execute(f"SELECT ep, MIN(seq), MAX(seq) FROM prompts WHERE state IN (0, 1) AND ep IN ({marks}) "
+                               "GROUP BY file, ep", tuple(eps)).fetchall()
+        return [(ep, Span(lo, hi)) for ep, lo, hi in rows]
+
+    def forget_waiting(self, after_seq: int, file: int) -> int:
+        """Take back the prompts of `file` above `after_seq` that still wait (an enqueue refused midway
+        takes back what it stored); returns how many."""
+        n = self.db.execute("DELETE FROM prompts WHERE seq > ? AND file = ? AND state = 0", (after_seq, file)).rowcount
+        self._tally("waiting", -n)
+        return n
+
     def insert_prompts(self, rows: Sequence[tuple[str, int, bytes, int, int, int, bytes, bytes | None]]) -> int:
         """(cid, ep, body, file, line, cost, fp, pk), each a new WAITING prompt unless its cid is known
         (then nothing changes); `pk` its plan key (`plan.prefix_key`). Returns how many were inserted."""

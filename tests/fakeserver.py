@@ -32,6 +32,10 @@ class FakeServer:
     async def probe(self) -> bool:
         return self.generates
 
+    @property
+    def is_generation(self) -> bool | None:
+        return None
+
     async def complete(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.answer(body)
 

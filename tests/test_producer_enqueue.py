@@ -112,7 +112,7 @@ def test_bad_lines_go_to_stderr_and_rejects_file(cli: Cli, r: redis.Redis, tmp_p
         {"id": "", "prompt": "x"},
         {"id": "a", "prompt": "x", "messages": []},
         {"id": "b", "prompt": "x", "temprature": 1},
-        {"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "c", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}},
         {"id": "ok2", "prompt": "y"},
     ])
     rc, _, err = cli("enqueue", str(f), "--no-progress")

@@ -57,7 +57,7 @@ BAD = [
     (line({"id": "a", "prompt": "x", "max_tokens": "10"}), "max_tokens must be a positive integer"),
     (line({"id": "a", "prompt": "x", "temperature": None}), "temperature must be a number"),
     (line({"id": "a", "prompt": "x", "sampling_params": []}), "sampling_params must be an object"),
-    (line({"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}), "unknown url"),
+    (line({"custom_id": "a", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}}), "unknown url"),
     (line({"custom_id": "a", "method": "GET", "url": COMP, "body": {"prompt": "x"}}), "method must be POST"),
     (line({"custom_id": "a", "method": "POST", "url": CHAT, "body": {"prompt": "x"}}), "takes messages"),
     (line({"custom_id": "a", "method": "POST", "url": COMP, "body": {"prompt": "x", "stream": True}}), "stream"),

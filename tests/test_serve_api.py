@@ -92,7 +92,7 @@ def test_files_and_batches_are_openais_objects_field_by_field_and_list_page_by_p
     with pytest.raises(openai.BadRequestError):
         client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError):
-        client.batches.create(input_file_id="file-x", endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id="file-x", endpoint="/v1/responses", completion_window="24h")
 
 
 def test_a_key_sees_only_what_it_made_and_a_wrong_key_is_refused(tmp_path: Path, redis_url: str) -> None:

@@ -87,7 +87,8 @@ class Dispatcher:
         self.tally = Tally()
         breaker = Breaker(config.breaker_prompts)
         self.outcomes = Outcomes(ledger, self.tally, worker=worker, clock=clock, scrub=Scrubber.for_config(config),
-                                 breaker=breaker, turnover=self.limit.turnover, on_completion=on_completion)
+                                 breaker=breaker, turnover=self.limit.turnover, on_completion=on_completion,
+                                 on_prompt_tokens=self.limit.kv.measured)
         self.takeback = Takeback(self.board, self.gate, self.limit, ledger, self.outcomes, self.tally, server)
         self.judge = Judge(breaker, self.gate, server, self.board, self.takeback, self.outcomes, self.tally)
         self.runner = PromptRunner(config, ledger, server, self.board, self.gate, self.limit.slots, self.outcomes,

@@ -6,6 +6,7 @@ python/sglang/srt/model_executor/model_runner.py, python/sglang/srt/mem_cache/me
 scheduler; the mamba cap from python/sglang/srt/mem_cache/allocation_sizing.py):
 
     /server_info: max_running_requests (REQUESTED), max_total_num_tokens, mem_fraction_static,
+                  chunked_prefill_size, max_prefill_tokens (the prefill forward's token budget),
                   mamba_radix_cache_strategy, disable_overlap_schedule, disable_radix_cache, version,
                   internal_states[i]: max_mamba_cache_size, effective_max_running_requests_per_dp,
                                       memory_usage {weight, kvcache, ...}
@@ -103,9 +104,12 @@ def read_facts(info: dict[str, Any], log_text: str, *, effective: int) -> Server
     else:
         cause = CapCause.UNKNOWN
     version = info.get("version")
+    chunk, most = _int(info.get("chunked_prefill_size")), _int(info.get("max_prefill_tokens"))
+    budgets = [t for t in (chunk, most) if t is not None and t > 0]  # chunking off (-1): max_prefill_tokens alone
     return ServerFacts(
         effective_max_running=effective, requested_max_running=requested, cap_cause=cause,
         mamba_pool=pool or None, slots_per_request=ratio if pool else None, max_total_num_tokens=tokens,
         context_len=context, strategy=strategy, radix_cache=radix,
         mem_fraction_static=_float(info.get("mem_fraction_static")), memory_before_load_gb=before,
-        weight_gb=weight, kv_gb=kv, mamba_gb=mamba, version=version if isinstance(version, str) else "")
+        weight_gb=weight, kv_gb=kv, mamba_gb=mamba, version=version if isinstance(version, str) else "",
+        prefill_tokens=min(budgets) if budgets else None)

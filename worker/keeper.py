@@ -29,7 +29,7 @@ from batchfleet import sglang
 from batchfleet.backoff import backoff_s
 from batchfleet.config import Config
 from batchfleet.errors import ConfigError, ServerDied, ServerStartError
-from batchfleet.records import EventKind, WorkerState
+from batchfleet.records import EventKind, ServerFacts, WorkerState
 
 from .dispatcher import Dispatcher
 from .events import EventLog
@@ -50,6 +50,27 @@ SICK_RESET_S = 300.0  # a server that served this long before it turned sick sta
 
 async def _no_token() -> bytes | None:
     return None
+
+
+# An embedding server: the prefill forwards' worth of tokens the worker keeps in it (KvBound doubles it).
+EMBED_FORWARDS = 2
+
+
+def bounding_tokens(facts: ServerFacts | None) -> int | None:
+    """The tokens that bound what a server runs at once (`slots.KvBound`): its KV pool; for an embedding
+    server (`/model_info` is_generation false) EMBED_FORWARDS prefill forwards' budget, when smaller. An
+    embedding is prefill only and finishes in the forward that admits it, a forward takes at most
+    `prefill_tokens` new tokens (8192 with embed-0.6b-96gb: ~409 twenty-token documents), and the slots
+    (4096 there, from the generation memory formula) and the KV pool (767K tokens) never bind: requests
+    past a few forwards only wait in its queue, and cost its scheduler and the worker a connection each
+    (docs/design.md, "Embedding servers")."""
+    if facts is None:
+        return None
+    kv = facts.max_total_num_tokens
+    if facts.is_generation is False and facts.prefill_tokens:
+        budget = EMBED_FORWARDS * facts.prefill_tokens
+        return budget if kv is None else min(kv, budget)
+    return kv
 
 
 class ServerPhase(StrEnum):
@@ -157,7 +178,7 @@ class ServerKeeper:
         await self._open_http(capacity)
         facts = self.server.facts
         self.dispatcher.limit.set_capacity(capacity, max_in_flight=self.config.max_in_flight,
-                                           kv_tokens=facts.max_total_num_tokens if facts else None)
+                                           kv_tokens=bounding_tokens(facts))
         self.dispatcher.gate.resume()
         # The event first: whoever sees the status serve the new generation finds its "restarted" event.
         if self._restarting is not None:

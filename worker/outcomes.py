@@ -12,6 +12,7 @@ from typing import Any
 import redis
 
 from batchfleet.errors import ErrorCode
+from batchfleet.prompts import EMBEDDINGS
 from batchfleet.records import Result
 from batchfleet.redact import Scrubber
 
@@ -29,7 +30,8 @@ LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
 
 class Outcomes:
     def __init__(self, ledger: Ledger, tally: Tally, *, worker: str, clock: Callable[[], float], scrub: Scrubber,
-                 breaker: Breaker, turnover: Turnover, on_completion: Callable[[int], None]) -> None:
+                 breaker: Breaker, turnover: Turnover, on_completion: Callable[[int], None],
+                 on_prompt_tokens: Callable[[int, int], None] | None = None) -> None:
         self.ledger = ledger
         self.tally = tally
         self.worker = worker
@@ -38,6 +40,8 @@ class Outcomes:
         self.breaker = breaker
         self.turnover = turnover
         self.on_completion = on_completion  # completion tokens of each success (the throughput meter)
+        # (job bytes, prompt tokens) of each answered embedding: what its usage says a request's bytes are
+        self.on_prompt_tokens = on_prompt_tokens
 
     def succeed(self, flight: Flight, body: dict[str, Any]) -> None:
         prompt = flight.prompt
@@ -49,10 +53,17 @@ class Outcomes:
         self.breaker.success()
         self.turnover.finished(time.monotonic())
         self.on_completion(result.completion_tokens)
+        if self.on_prompt_tokens is not None and prompt.url == EMBEDDINGS:
+            usage = body.get("usage")
+            tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+            if isinstance(tokens, int):
+                self.on_prompt_tokens(len(flight.claim.data), tokens)
         self.ledger.finish(flight.claim, result)
 
-    def fail(self, flight: Flight, status: int, code: ErrorCode, message: str, body: object = None) -> None:
-        """`body`: the server's error answer (JSON), exported as its response body; kept only as an object."""
+    def fail(self, flight: Flight, status: int, code: ErrorCode, message: str, body: object = None, *,
+             quiet: bool = False) -> None:
+        """`body`: the server's error answer (JSON), exported as its response body; kept only as an object.
+        `quiet`: no log line (the caller said why once for many)."""
         prompt = flight.prompt
         assert prompt is not None
         message = self.scrub(message)
@@ -62,7 +73,8 @@ class Outcomes:
         flight.settle()
         self.tally.failed += 1
         self.turnover.finished(time.monotonic())
-        log.warning("prompt %s failed (%s): %s", result.cid, code, message)
+        if not quiet:
+            log.warning("prompt %s failed (%s): %s", result.cid, code, message)
         self.ledger.finish(flight.claim, result, exc_string=f"{code}: {message}")
 
     def refuse(self, flight: Flight, reason: str) -> None:

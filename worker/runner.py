@@ -26,6 +26,7 @@ from batchfleet.config import Config
 from batchfleet.errors import ErrorCode, JobRefused, PromptError, RetryableError
 from batchfleet.http1 import ConnectFailed
 from batchfleet.jobs import Trimmed, read_job
+from batchfleet.prompts import EMBEDDINGS, kind_mismatch
 
 from .flight import Board, Flight, FlightState
 from .judge import Judge
@@ -56,6 +57,23 @@ class PromptRunner:
         self.slots = slots
         self.outcomes = outcomes
         self.judge = judge
+        self._wrong_kind_said = False
+
+    def _wrong_kind(self, flight: Flight) -> bool:
+        """The prompt asks what its server cannot do (an embedding on a generation server, or the other
+        way round; a chat request would kill an embedding server at its first decode): failed, never
+        sent. Said once in the log; the head fails the rest of such a run at once (producer.head)."""
+        prompt = flight.prompt
+        assert prompt is not None
+        reason = kind_mismatch(prompt.url, self.server.is_generation)
+        if reason is None:
+            return False
+        if not self._wrong_kind_said:
+            self._wrong_kind_said = True
+            log.error("prompt %s not sent: %s (this worker fails such prompts without sending them)",
+                      prompt.cid, reason)
+        self.outcomes.fail(flight, 0, ErrorCode.WRONG_KIND, reason, quiet=True)
+        return True
 
     async def run(self, flight: Flight) -> None:
         """The task of one claimed prompt; it holds one slot, except while it waits to retry."""
@@ -68,12 +86,16 @@ class PromptRunner:
                 if others:
                     await asyncio.wait(others)
             while True:
+                if self._wrong_kind(flight):  # checked before each attempt: a restart may bring another server
+                    return
                 flight.attempts += 1
                 earlier = flight.state
                 flight.state = earlier.sent()
                 flight.sent_at = time.monotonic()
                 rid = flight.rid = f"{claim.jid}-{self.ledger.session}-{flight.attempts}"
-                prompt.body["rid"] = rid  # the body is this flight's own (decoded from its job)
+                # the body is this flight's own (decoded from its job); an embedding of several inputs
+                # takes one rid per input (0.5.23 asserts a list)
+                prompt.body["rid"] = _rids(rid, prompt.body["input"]) if prompt.url == EMBEDDINGS else rid
                 if prompt.pri and self.priority:
                     prompt.body["priority"] = prompt.pri  # ahead of the server's waiting queue
                 try:
@@ -145,3 +167,11 @@ class PromptRunner:
         await self.slots.acquire()
         flight.holds_slot = True
         return True
+
+
+def _rids(rid: str, value: object) -> str | list[str]:
+    """The request id(s) of an embedding request: one for one input (a string, or token ids), else one
+    per input, `<rid>.<index>` (`worker.takeback` aborts them by these)."""
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        return [f"{rid}.{i}" for i in range(len(value))]
+    return rid

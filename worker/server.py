@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
@@ -134,6 +135,7 @@ class SGLangServer:
                 info = await sglang.get_server_info(client)
             except Exception as exc:  # the pool's errors, a status, a body: the log still says it
                 log.warning("gpu%d: server_info unavailable (%s); reading the start-up log", self.gpu, exc)
+            generates = await sglang.is_generation(client)
         log_text = self._log_since_start()
         capacity = sglang.effective_capacity(info) or sglang.capacity_from_log(log_text)
         if not capacity:
@@ -143,7 +145,7 @@ class SGLangServer:
                                    "log line)", log_tail=self.log_tail())
         # Static facts for the supervisor (what caps the server and by how much memory); best effort.
         try:
-            self.facts = read_facts(info, log_text, effective=capacity)
+            self.facts = replace(read_facts(info, log_text, effective=capacity), is_generation=generates)
         except Exception as exc:  # data from the server: a surprise here must not stop the start
             log.warning("gpu%d: could not read the server's start-up facts: %s", self.gpu, exc)
         return capacity

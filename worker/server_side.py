@@ -31,3 +31,9 @@ class Server(Protocol):
     async def probe(self) -> bool:
         """Does the server generate at all (the keeper's health probe)? For the breaker."""
         ...
+
+    @property
+    def is_generation(self) -> bool | None:
+        """What the server serving now said it is (`/model_info` is_generation; None: not said): a
+        request of the other kind is never sent to it."""
+        ...

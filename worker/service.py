@@ -216,6 +216,11 @@ class GPUService:
     async def probe(self) -> bool:
         return await self.keeper.probe()
 
+    @property
+    def is_generation(self) -> bool | None:
+        facts = self.server.facts
+        return facts.is_generation if facts is not None else None
+
     def snapshot(self) -> WorkerStatus:
         return WorkerStatus(
             worker=self.worker, host=HOST, queue=self.queue, gpu=self.gpu, state=self.keeper.state,

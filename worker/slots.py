@@ -215,11 +215,15 @@ class KvBound:
     is only the first (a token estimate for short requests). Long prompts fill the pool long before:
     2048 slots of a dense 8B server on an 80 GB card, 413,712 tokens of KV, run ~118 prompts of 3.5K
     tokens at once. Past that the rest waits in the server's queue, taken from the queues of servers
-    that would have run them (a worker whose own queue is dry steals).
+    that would have run them (a worker whose own queue is dry steals). For an embedding server the
+    keeper gives its prefill forwards' token budget instead of the pool (`keeper.bounding_tokens`).
 
-    `prompts()`: KV_OVERCOMMIT x the pool over the mean prompt claimed (bytes / BYTES_PER_TOKEN, an
+    `prompts()`: KV_OVERCOMMIT x the pool over the mean prompt claimed (bytes / bytes per token, an
     estimate: a shared prefix is counted whole, decode is left to the overcommit); None while the pool
-    or the prompts' size is unknown. Before the first claim the worker claims at most PROBE prompts."""
+    or the prompts' size is unknown. Before the first claim the worker claims at most PROBE prompts.
+    Bytes per token is BYTES_PER_TOKEN until answers say how many tokens their requests were
+    (`measured`: embeddings, whose usage counts every token of the request; a short document's job is
+    mostly its JSON envelope, 5-10x its tokens at 4 bytes each)."""
 
     KV_OVERCOMMIT = 2.0  # what runs (1x) and as much waiting in the server's queue
     BYTES_PER_TOKEN = 4
@@ -227,21 +231,32 @@ class KvBound:
 
     def __init__(self) -> None:
         self.kv_tokens: int | None = None
-        self.mean_tokens: float | None = None
+        self.mean_bytes: float | None = None
+        self.bytes_per_token: float = self.BYTES_PER_TOKEN
+
+    @property
+    def mean_tokens(self) -> float | None:
+        return None if self.mean_bytes is None else self.mean_bytes / self.bytes_per_token
 
     def claimed(self, sizes: list[int]) -> None:
         """Claimed prompts of these sizes (bytes of their job data)."""
         if not sizes:
             return
-        mean = sum(sizes) / len(sizes) / self.BYTES_PER_TOKEN
-        self.mean_tokens = mean if self.mean_tokens is None else 0.8 * self.mean_tokens + 0.2 * mean
+        mean = sum(sizes) / len(sizes)
+        self.mean_bytes = mean if self.mean_bytes is None else 0.8 * self.mean_bytes + 0.2 * mean
+
+    def measured(self, nbytes: int, tokens: int) -> None:
+        """An answer says its request of `nbytes` (job data) was `tokens` prompt tokens."""
+        if nbytes > 0 and tokens > 0:
+            self.bytes_per_token = 0.99 * self.bytes_per_token + 0.01 * (nbytes / tokens)
 
     def prompts(self) -> int | None:
         if not self.kv_tokens:
             return None
-        if self.mean_tokens is None:
+        mean = self.mean_tokens
+        if mean is None:
             return self.PROBE
-        return max(1, int(self.KV_OVERCOMMIT * self.kv_tokens / max(self.mean_tokens, 1.0)))
+        return max(1, int(self.KV_OVERCOMMIT * self.kv_tokens / max(mean, 1.0)))
 
 
 class InFlightLimit:

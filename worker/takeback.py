@@ -101,7 +101,7 @@ class Takeback:
         for _, flight in flights:
             flight.state = flight.state.lost()
         dropped = [f for _, f in flights if f.state is _LOST]
-        inside = [f.rid for f in dropped if f.rid and f.attempts]
+        inside = [r for f in dropped if f.rid and f.attempts for r in _sent_rids(f)]
         collecting = asyncio.ensure_future(self.collect([t for t, f in flights if f.state is _LOST]))
         client = self.server.client
         if inside and client is not None and self.server.serving():
@@ -187,3 +187,9 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[None]], *, again_s: float
                 continue
             log.warning("%s survived its cancellation; cancelling it again", task.get_name())
             task.cancel()
+
+
+def _sent_rids(flight: Flight) -> list[str]:
+    """The request ids its latest request carried: one, or one per input of an embedding batch."""
+    sent = flight.prompt.body.get("rid") if flight.prompt is not None else None
+    return [str(r) for r in sent] if isinstance(sent, list) else [flight.rid]

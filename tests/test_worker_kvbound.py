@@ -32,7 +32,7 @@ def test_a_worker_that_starts_first_leaves_the_others_their_long_prompts(fleets,
     """Real parts: 2 `rq worker`s on a dense 8B profile (2048 slots, 413,712 KV tokens), 320 prompts of
     ~6,000 tokens. The first worker is up alone for a while (the head dealt 160 to each queue); the second then finds
     its queue's work: before, the first took all 320 (its slots hold 4096) and the second's server ran none."""
-    fleet = fleets(gpus=2, env={"SGLANG_SIM_PROFILE": "llama-8b-a100", "SGLANG_SIM_TIME_SCALE": "10",
+    fleet = fleets(gpus=2, env={"SGLANG_SIM_PROFILE": "llama-8b-a100", "SGLANG_SIM_TIME_SCALE": "4",
                                 "BATCHFLEET_MODEL_PATH": "meta-llama/Llama-3.1-8B-Instruct"})
     words = " ".join(f"w{i % 97}" for i in range(6000))
     rows = [{"id": f"d{i}", "prompt": f"{i} {words}", "max_tokens": 16} for i in range(320)]
@@ -47,4 +47,5 @@ def test_a_worker_that_starts_first_leaves_the_others_their_long_prompts(fleets,
     fleet.wait_for(lambda: fleet.finished() >= 320, 240, "all 320 prompts")
     fleet.stop_all()
     ran = [fleet.sim_record(g)["requests_total"] for g in (0, 1)]
-    assert sum(ran) == 320 and min(ran) >= 100, ran
+    # the second ran its share: not all 320 (before), nor a handful (a loaded machine may start it late)
+    assert sum(ran) == 320 and min(ran) >= 60, ran

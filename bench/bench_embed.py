@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -161,7 +162,14 @@ def fleet_run(tmp: Path, redis_url: str, reqs: list[dict[str, Any]], *, gpus: in
         fleet.wait_for(lambda: sum(s.state is WorkerState.SERVING for s in fleet.statuses()) == gpus, 300,
                        "every worker to serve")
         t0 = time.monotonic()
-        fleet.wait_for(lambda: fleet.finished() >= len(reqs), 36000, "every line")
+
+        def done() -> bool:
+            try:
+                return fleet.finished() >= len(reqs)
+            except redis.RedisError:  # Redis busy with a page of vectors for a moment: ask again
+                return False
+
+        fleet.wait_for(done, 36000, "every line")
         wall = time.monotonic() - t0
         slots = sorted({s.slots for s in fleet.statuses()})
     finally:

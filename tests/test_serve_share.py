@@ -172,8 +172,8 @@ def test_a_high_request_runs_before_those_waiting_inside_its_server(tmp_path: Pa
             if jid in high:
                 overtaken.append(sum(1 for other in arrived[:i]
                                      if other not in high and admitted[other] > admitted[jid]))
-    # ~8 wait in its server (fewer when a loaded machine slows the worker); in arrival order: 0 each
-    assert len(overtaken) == 4 and min(overtaken) >= 1 and sum(overtaken) >= 8, overtaken
+    # ~8 wait in its server (fewer, or none, when a loaded machine slows its worker); in arrival order: 0 each
+    assert len(overtaken) == 4 and max(overtaken) >= 4 and sum(overtaken) >= 8, overtaken
     assert [(r["aborted_total"], r["abort_calls"]) for r in records(tmp_path)] == [(0, 0), (0, 0)]
     assert all("--enable-priority-scheduling" in r["argv"] and "--disable-priority-preemption" in r["argv"]
                for r in records(tmp_path))

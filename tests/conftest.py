@@ -167,3 +167,15 @@ def fleets(tmp_path: Path, redis_url: str) -> Iterator[Callable[..., Fleet]]:
     yield make
     for fleet in made:
         fleet.kill_all()
+
+
+@pytest.fixture(autouse=True)
+def _no_serve_outlives_its_test() -> Iterator[None]:
+    """Every `batchfleet serve` a test started (tests/serveproc.py) is stopped when it ends."""
+    yield
+    from .serveproc import Serve
+
+    while Serve.made:
+        sv = Serve.made.pop()
+        sv.stop(60)
+        sv.kill()

@@ -11,7 +11,6 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,15 +26,6 @@ from batchfleet.records import Result
 from .conftest import free_port
 from .serveproc import BIN, Serve, batch_lines, serve_env, write_lines
 from .test_producer_helpers import work
-
-
-@pytest.fixture(autouse=True)
-def _no_serve_outlives_its_test() -> Iterator[None]:
-    yield
-    while Serve.made:
-        sv = Serve.made.pop()
-        sv.stop(30)
-        sv.kill()
 
 
 def wait_status(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout_s: float = 60) -> Batch:

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +25,6 @@ from .serveproc import Serve, batch_lines, expected, serve_env, write_lines
 
 pytestmark = pytest.mark.slow
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-
-
-@pytest.fixture(autouse=True)
-def _no_serve_outlives_its_test() -> Iterator[None]:
-    yield
-    while Serve.made:
-        sv = Serve.made.pop()
-        sv.stop(60)
-        sv.kill()
 
 
 def gpu_serve(tmp: Path, redis_url: str, *args: str, **env: str) -> Serve:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +20,6 @@ from .serveproc import Serve, serve_env, write_lines
 
 pytestmark = pytest.mark.slow
 EMB = "/v1/embeddings"
-
-
-@pytest.fixture(autouse=True)
-def _no_serve_outlives_its_test() -> Iterator[None]:
-    yield
-    while Serve.made:
-        sv = Serve.made.pop()
-        sv.stop(60)
-        sv.kill()
 
 
 def test_the_openai_client_runs_an_embedding_batch_and_gets_every_vector_exactly(

@@ -12,7 +12,6 @@ import os
 import signal
 import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +44,6 @@ priorities = ["high", "normal", "low"]
 """)
     path.chmod(0o600)
     return path
-
-
-@pytest.fixture(autouse=True)
-def _no_serve_outlives_its_test() -> Iterator[None]:
-    yield
-    while Serve.made:
-        sv = Serve.made.pop()
-        sv.stop(60)
-        sv.kill()
 
 
 def submit(client: openai.OpenAI, path: Path, lines: list[dict[str, Any]], **metadata: str) -> str:

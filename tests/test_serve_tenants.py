@@ -15,7 +15,6 @@ import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -63,15 +62,6 @@ weight = 3
 priorities = ["high", "normal", "low"]
 {beta}
 """)
-
-
-@pytest.fixture(autouse=True)
-def _no_serve_outlives_its_test() -> Iterator[None]:
-    yield
-    while Serve.made:
-        sv = Serve.made.pop()
-        sv.stop(30)
-        sv.kill()
 
 
 def wait_status(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout_s: float = 60) -> Batch:

@@ -42,7 +42,7 @@ def lines(rng: random.Random) -> list[str]:
     # What bad input looks like, spread through the file.
     out.insert(100, '{"id": "broken-1", "prompt": "an unterminated line')
     out.insert(700, json.dumps({"id": "bad-key", "prompt": "hello", "temprature": 0.5}))
-    out.insert(1300, json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings",
+    out.insert(1300, json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/responses",
                                  "body": {"input": "x"}}))
     out.insert(1500, json.dumps({"id": "req-00042", "prompt": "a second line with an id already used"}))
     long_text = " ".join(f"word{j}" for j in range(6000))  # beyond the simulated 4,096-token context

@@ -272,3 +272,14 @@ def test_a_crash_between_redis_and_the_store_heals(cli: Cli, r: redis.Redis, tmp
     assert rc == 0 and "0 new, 3 already in the store" in out and "fed to Redis" not in out
     assert len(queued_ids(r, "gpu0")) == 3 and {st for _, _, st in store_rows(tmp_path).values()} == {1}
     assert int(r.hget(Keys(RUN).stats, "enqueued")) == 3
+
+
+def test_the_bundled_sample_enqueues_with_the_four_rejects_the_demo_shows(cli: Cli, tmp_path: Path) -> None:
+    """`make demo`'s input: 2,102 prompts stored and 4 lines rejected, each named (a stray line of another
+    kind than the file's must be one of those rejects, not a refusal of the whole file)."""
+    sample = Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
+    rc, out, err = cli("enqueue", str(sample), "--queues", "gpu0", "--no-progress",
+                       "--rejects", str(tmp_path / "rejects.jsonl"))
+    assert rc == 1, err  # some lines rejected, the rest stored
+    assert "2,102 new" in out and "4 rejected" in out, out
+    assert [ln.split(":")[1] for ln in err.splitlines() if ln.startswith(str(sample))] == ["101", "701", "1302", "1502"]

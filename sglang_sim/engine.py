@@ -294,7 +294,7 @@ class Rank:
                 req.cached_tokens = cached
                 if req.log_entry is not None:
                     req.log_entry[2] = cached
-                    self.engine.admit_log.append(req.rid)
+                    self.engine.admit_log.append([req.rid, len(self.engine.request_log or ())])
             batch.append(req)
             loras.add(req.lora_id)
             reserved = need
@@ -510,7 +510,8 @@ class Engine:
         # arrival order, when the observation record lists them (SGLANG_SIM_RECORD_REQUESTS=1); with LoRA
         # on, a fifth entry: the adapter's name (None: the base model)
         self.request_log: list[list] | None = None
-        self.admit_log: list[str] = []  # with request_log: the client requests' rids in the order first admitted
+        # with request_log: [rid, requests arrived by then] of the client requests in the order first admitted
+        self.admit_log: list[list] = []
         self._task: asyncio.Task | None = None
 
     def model_now(self) -> float:

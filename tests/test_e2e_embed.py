@@ -103,7 +103,7 @@ def export(fleet: Fleet, tmp_path: Path) -> list[dict[str, Any]]:
 
 
 def test_an_embedding_worker_killed_with_kill_9_loses_and_duplicates_no_line(tmp_path: Path, redis_url: str) -> None:
-    fleet = Fleet(tmp_path, redis_url, gpus=2, env={**MATRYOSHKA, "SGLANG_SIM_TIME_SCALE": "0.05"})
+    fleet = Fleet(tmp_path, redis_url, gpus=2, env={**MATRYOSHKA, "SGLANG_SIM_TIME_SCALE": "0.01"})
     rows = embed_rows(600)
     write_rows(tmp_path / "docs.jsonl", rows)
     fleet.producer("enqueue", "docs.jsonl", "--queues", fleet.queues)

@@ -154,16 +154,21 @@ def test_a_high_request_runs_before_those_waiting_inside_its_server(tmp_path: Pa
                                                                 (f"{urgent}:%",))}
     finally:
         db.close()
-    overtaken = []  # per high request: the normal ones that reached its server before it, admitted after it
+    # Per high request: the normal requests waiting in its server when it arrived (arrived before it, first
+    # admitted once it had arrived). Priority scheduling admits it before every one of them; in arrival
+    # order (FCFS) each of them would go first.
+    waiting, overtaken = [], []
     for rec in records(tmp_path):
         arrived = [job(row[0]) for row in rec["requests"]]
-        admitted = {jid: at for at, jid in enumerate(job(rid) for rid in rec["admitted"])}
+        admitted = {job(rid): (at, seen) for at, (rid, seen) in enumerate(rec["admitted"])}
         for i, jid in enumerate(arrived):
             if jid in high:
-                overtaken.append(sum(1 for other in arrived[:i]
-                                     if other not in high and admitted[other] > admitted[jid]))
-    # ~8 wait in its server (fewer, or none, when a loaded machine slows its worker); in arrival order: 0 each
-    assert len(overtaken) == 4 and max(overtaken) >= 4 and sum(overtaken) >= 8, overtaken
+                behind = [other for other in arrived[:i] if other not in high and admitted[other][1] > i]
+                waiting.append(len(behind))
+                overtaken.append(sum(1 for other in behind if admitted[other][0] > admitted[jid][0]))
+    # ~8 wait in a server (fewer when a loaded machine slows its worker): some must, or nothing was shown
+    assert len(waiting) == 4 and sum(waiting) >= 2, waiting
+    assert overtaken == waiting, (overtaken, waiting)
     assert [(r["aborted_total"], r["abort_calls"]) for r in records(tmp_path)] == [(0, 0), (0, 0)]
     assert all("--enable-priority-scheduling" in r["argv"] and "--disable-priority-preemption" in r["argv"]
                for r in records(tmp_path))

@@ -124,8 +124,8 @@ def test_a_batch_holds_at_most_max_loras_per_batch_adapters_and_a_waiting_adapte
                     while (await client.get("/sim/observed")).json()[key] != value:
                         await asyncio.sleep(0.01)
 
-                long_base = asyncio.create_task(post("long base", 400, None))
-                long_a = asyncio.create_task(post("long a", 400, "a"))
+                long_base = asyncio.create_task(post("long base", 4000, None))
+                long_a = asyncio.create_task(post("long a", 4000, "a"))
                 await until("running", 2)  # the batch runs the base model and adapter a: both slots
                 short_b = asyncio.create_task(post("short b", 4, "b"))
                 await until("queued", 1)  # b would be a third adapter: it waits

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 
 from .breaker import Breaker
 from .flight import Board, Flight, FlightState, Tally
@@ -22,19 +23,20 @@ __all__ = ["Judge"]
 log = logging.getLogger("batchfleet.worker.dispatcher")
 
 
+@dataclass(eq=False)
 class Judge:
-    def __init__(self, breaker: Breaker, gate: ModeGate, server: Server, board: Board, takeback: Takeback,
-                 outcomes: Outcomes, tally: Tally) -> None:
-        self.breaker = breaker
-        self.gate = gate
-        self.server = server
-        self.board = board
-        self.takeback = takeback
-        self.outcomes = outcomes
-        self.tally = tally
-        self.why = ""  # why the breaker last opened, in words
-        self._probing: asyncio.Future[bool] | None = None
-        self._background: set[asyncio.Task[None]] = set()
+    """Acts on the breaker's verdicts for the dispatcher's parts it is given."""
+
+    breaker: Breaker
+    gate: ModeGate
+    server: Server
+    board: Board
+    takeback: Takeback
+    outcomes: Outcomes
+    tally: Tally
+    why: str = ""  # why the breaker last opened, in words
+    _probing: asyncio.Future[bool] | None = field(default=None, init=False)
+    _background: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
     async def server_at_fault(self, flight: Flight) -> bool:
         """The server answered this attempt with an error. True when it is (or may be) the server's

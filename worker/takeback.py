@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 
 import redis
 
@@ -36,16 +37,17 @@ log = logging.getLogger("batchfleet.worker.dispatcher")
 _COLLECTED, _COLLECTED_INSIDE, _LOST = FlightState.COLLECTED, FlightState.COLLECTED_INSIDE, FlightState.LOST
 
 
+@dataclass(eq=False)
 class Takeback:
-    def __init__(self, board: Board, gate: ModeGate, limit: InFlightLimit, ledger: Ledger, outcomes: Outcomes,
-                 tally: Tally, server: Server) -> None:
-        self.board = board
-        self.gate = gate
-        self.limit = limit
-        self.ledger = ledger
-        self.outcomes = outcomes
-        self.tally = tally
-        self.server = server
+    """Takes prompts back from the dispatcher's tasks (module doc)."""
+
+    board: Board
+    gate: ModeGate
+    limit: InFlightLimit
+    ledger: Ledger
+    outcomes: Outcomes
+    tally: Tally
+    server: Server
 
     async def collect(self, tasks: Iterable[asyncio.Task[None]]) -> None:
         """Cancel these prompts' tasks and wait until each has ended, its hand back (if any) written."""

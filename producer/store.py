@@ -573,7 +573,7 @@ class Plan:
 
     def rebuild(self) -> int:
         """Order the waiting prompts anew: by LoRA adapter (the base model's first), longest expected
-        work first, then by plan key (prompts that share a prefix side by side), then input order; a
+        work first (a family of prompts with one key at its longest's place), then by plan key (prompts that share a prefix side by side), then input order; a
         store ordered by input keeps its inputs in order first (each input's prompts side by side: read
         on per input, `next(file=)`). When no
         waiting prompt has a key (all shorter than the first anchor) there is nothing to group: the plan
@@ -586,9 +586,12 @@ class Plan:
             by_input = self.store.get_meta(FEED_ORDER) == "input"
             # a LoRA adapter's prompts together (producer/plan.py: its group starts a key of odd length)
             group = f"CASE WHEN length(pk) % 2 THEN substr(pk, 1, {GROUP_BYTES}) END"
-            order = f"file, {group}, cost DESC, pk, seq" if by_input else f"{group}, cost DESC, pk, seq"
+            # longest expected work first per family (prompts of one key: a document's questions), so a
+            # family asking for several lengths is not cut into bands; a prompt without a key is its own
+            family = "CASE WHEN length(pk) > 0 THEN MAX(cost) OVER (PARTITION BY pk) ELSE cost END"
+            order = f"{group}, {family} DESC, pk, seq"
             n = self.db.execute(f"INSERT INTO plan (seq, file) SELECT seq, file FROM prompts WHERE state = 0 "
-                                f"ORDER BY {order}").rowcount
+                                f"ORDER BY {'file, ' if by_input else ''}{order}").rowcount
         self.db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                             [(PLAN_CURSOR, "0"), (PLAN_STALE, "0"), (PLAN_KEYLESS, "0" if keyed else "1")])
         return n

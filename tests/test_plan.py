@@ -131,6 +131,20 @@ def test_the_store_feeds_in_plan_order_and_plans_again_when_prompts_wait_anew(tm
     assert s.counts()["fed"] == 19 and s.counts()["waiting"] == 1
 
 
+def test_a_documents_questions_stay_side_by_side_when_they_ask_for_different_lengths(tmp_path: Path) -> None:
+    """Longest expected work first is per family of prompts with one key: a document whose questions
+    ask for 16, 64 or 256 tokens is fed whole (at its longest question's place), not in three bands."""
+    lines = [(d, q) for d in range(4) for q in range(6)]
+    random.Random(2).shuffle(lines)
+    lengths = {0: 16, 1: 64, 2: 256}
+    s = store_with(tmp_path, [chat(DOCS[d], f"q{q}", max_tokens=lengths[(d + q) % 3] if d < 3 else 8)
+                              for d, q in lines])
+    with s.write():
+        order = [lines[r.seq - 1][0] for r in s.next_to_feed(100)]
+    runs = [d for i, d in enumerate(order) if i == 0 or order[i - 1] != d]
+    assert sorted(runs) == [0, 1, 2, 3] and runs[-1] == 3, order  # one run per document; the shortest last
+
+
 def test_the_head_deals_whole_documents_to_queues_and_their_jobs_name_their_unit(r: redis.Redis,
                                                                                   tmp_path: Path) -> None:
     lines = [(d, q) for d in range(6) for q in range(6)]

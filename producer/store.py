@@ -573,9 +573,9 @@ class Plan:
 
     def rebuild(self) -> int:
         """Order the waiting prompts anew: by LoRA adapter (the base model's first), longest expected
-        work first (a family of prompts with one key at its longest's place), then by plan key (prompts that share a prefix side by side), then input order; a
-        store ordered by input keeps its inputs in order first (each input's prompts side by side: read
-        on per input, `next(file=)`). When no
+        work first (a family of prompts with one key at its longest's place), then by plan key (prompts
+        that share a prefix side by side), then input order; a store ordered by input keeps its inputs
+        in order first (each input's prompts side by side: read on per input, `next(file=)`). When no
         waiting prompt has a key (all shorter than the first anchor) there is nothing to group: the plan
         is the feed's own order and no sorted pass is made. Returns how many are planned."""
         self.db.execute("DELETE FROM plan")

@@ -166,17 +166,25 @@ class Unit:
     # once dealt, what is shorter than SHARED_MIN counts 0
     shared: list[int] = field(default_factory=list)
     size: int = 0  # bytes of its rows' conversations
+    # once dealt: the first unit of the chain this one continues on its queue (its first prompt shares at
+    # least SHARED_MIN bytes with the last prompt fed there: a template's prompts cut at unit_max), 0: none
+    family: int = 0
 
     @property
     def grp(self) -> str:
-        """"" for a unit of one prompt: nothing to keep together."""
-        return str(self.rows[0].seq) if len(self.rows) > 1 else ""
+        """Its name in its jobs: its first prompt's seq, then `/` and its family's when it continues one
+        (the worker sends one leader per family); "" for a unit of one prompt that continues nothing."""
+        first = self.rows[0].seq
+        if self.family and self.family != first:
+            return f"{first}/{self.family}"
+        return str(first) if len(self.rows) > 1 else ""
 
 
 @dataclass(slots=True)
 class _QueueLast:
     conversation: bytes | None = None  # the last prompt fed to the queue (its conversation)
     group: bytes = b""  # ... and its LoRA adapter's group
+    family: int = 0  # ... and the chain of units it belongs to (`Unit.family`)
 
 
 class Dealer:
@@ -252,6 +260,8 @@ class Dealer:
         """The prediction: each row's shared bytes with the one fed to this queue before it."""
         last = self.last.setdefault(q, _QueueLast())
         unit.shared[0] = common_prefix(last.conversation, first) if last.conversation is not None else 0
+        unit.family = last.family if unit.shared[0] >= SHARED_MIN and last.family else unit.rows[0].seq
+        last.family = unit.family
         unit.shared = [n if n >= SHARED_MIN else 0 for n in unit.shared]  # less is not worth a cache's while
         self.shared[q] = self.shared.get(q, 0) + sum(unit.shared)
         self.total[q] = self.total.get(q, 0) + unit.size

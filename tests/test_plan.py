@@ -94,6 +94,9 @@ def test_a_unit_goes_whole_to_the_queue_whose_last_prompt_it_shares_most_with() 
     assert [[r.seq for u in second[q] for r in u.rows] for q in ("q0", "q1")] == [[5, 6, 7, 8], [13, 14, 15, 16]]
     # the prediction: all but each queue's first prompt share the document with the one before
     assert dealer.shared["q0"] >= 7 * len(DOCS[0]) and dealer.total["q0"] >= 8 * len(DOCS[0])
+    # a unit that continues its queue's document (cut at unit_max) is of its first unit's family
+    assert [u.grp for u in first["q0"] + second["q0"]] == ["1", "5/1"]
+    assert [u.grp for u in first["q1"] + second["q1"]] == ["9", "13/9"]
 
 
 def store_with(tmp_path: Path, bodies: list[dict]) -> Store:
@@ -213,6 +216,9 @@ def test_of_the_prompts_one_claim_brings_each_units_first_goes_out_first() -> No
     assert [c.jid for c in leaders_first(claims)] == ["j0", "j3", "j5", "j6", "j1", "j4", "j2"]
     plain = [Claim(f"p{i}", "gpu0", b"") for i in range(3)]
     assert leaders_first(plain) == plain  # no plan: the claim's own order
+    # units of one family (a template cut into units): one leader for them all, then the other units'
+    family = [Claim(f"f{i}", "gpu0", b"", grp=g) for i, g in enumerate([b"1", b"1", b"3/1", b"3/1", b"5", b"5"])]
+    assert [c.jid for c in leaders_first(family)] == ["f0", "f4", "f1", "f5", "f2", "f3"]
 
 
 def test_a_units_later_prompts_follow_close_behind_its_first_in_blocks() -> None:

@@ -227,7 +227,8 @@ def leaders_first(claims: list[Claim]) -> list[Claim]:
     all compute the shared prefix. Blocks keep a unit's later prompts close behind its first: a server
     that queues hundreds of requests (its KV pool holds fewer than it has slots for) would otherwise
     take every unit's first before any second, and evict the first prefixes before their seconds
-    come."""
+    come. Units that continue one prefix on this queue (a template's prompts cut into units: `grp`
+    `<unit>/<family>`) are one family: one leader for all of them."""
     if len(claims) < 2 or not any(c.grp for c in claims):
         return claims
     block_of: dict[bytes, int] = {}
@@ -244,8 +245,9 @@ def leaders_first(claims: list[Claim]) -> list[Claim]:
                 block, filled = block + 1, 0
             b = block_of[c.grp] = block
             filled += len(c.data)
-        k = seen.get(c.grp, 0)
-        seen[c.grp] = k + 1
+        family = c.grp.rpartition(b"/")[2]
+        k = seen.get(family, 0)
+        seen[family] = k + 1
         rank.append((b, k, i))
     return [claims[i] for *_, i in sorted(rank)]
 

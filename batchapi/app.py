@@ -14,7 +14,11 @@
     GET    /health                     no key needed                        -> {"status": "ok"}
 
 A batch's `metadata.priority` (high, normal, low; batchfleet's extension) must be one its key's tenant may
-use, and the batch must fit the tenant's quotas (batchapi/quota.py): else 400, and nothing is made.
+use, and the batch must fit the tenant's quotas (batchapi/quota.py): else 400, and nothing is made. So
+is a batch whose endpoint the fleet cannot serve, once its live workers said what their servers are
+(`/model_info` is_generation): `/v1/embeddings` on generation servers, a chat or completions batch on
+embedding servers, as `producer enqueue` refuses such a file. Before any worker said, it is accepted,
+and the head fails its requests once (`wrong_endpoint_kind`).
 
 Every error is OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 401 without a valid
 key, 404 for an object that does not exist or belongs to another key (the two are not told apart),
@@ -35,8 +39,12 @@ from dataclasses import replace
 from typing import Any
 
 import orjson
+import redis
 from aiohttp import BodyPartReader, web
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from batchfleet.fleetview import read_fleet_view
+from batchfleet.prompts import kind_mismatch
 
 from .auth import ApiKeys
 from .engine import Engine, Limits
@@ -247,6 +255,10 @@ class Api:
         if f.purpose != BATCH_PURPOSE:
             return error(400, f"file {fid} has purpose {f.purpose!r}, not 'batch'", param="input_file_id",
                          code="invalid_value")
+        wrong = kind_mismatch(endpoint, await asyncio.to_thread(self._fleet_generates))
+        if wrong:
+            return error(400, f"this fleet cannot run the batch: {wrong} (its live workers' servers said so)",
+                         param="endpoint", code="invalid_value")
         if f.requests is None:  # uploaded before uploads were counted: count it now, off the loop
             f = await asyncio.to_thread(self._counted, f)
         async with self.creating:
@@ -261,6 +273,15 @@ class Api:
             await asyncio.to_thread(self.registry.put_batch, rec)
         self.engine.wake()
         return _json(rec.to_api())
+
+    def _fleet_generates(self) -> bool | None:
+        """What the run's live workers' servers are (`/model_info` is_generation, in their status records):
+        True generation, False embedding; None while none said, when they disagree, or when Redis does not
+        answer (then the head fails a batch of the other kind once)."""
+        try:
+            return read_fleet_view(self.engine.r, self.engine.keys).is_generation
+        except (redis.RedisError, OSError):
+            return None
 
     def _counted(self, f: FileRecord) -> FileRecord:
         requests, size = count_file(self.registry.file_path(f.id))

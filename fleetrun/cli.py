@@ -54,6 +54,7 @@ from batchfleet.config import Config
 from batchfleet.connection import connect
 from batchfleet.fleetview import duration_text
 from batchfleet.keys import Keys
+from batchfleet.prompts import EMBEDDINGS
 from batchfleet.records import WorkerState
 from producer.api import (
     ExportError,
@@ -65,6 +66,7 @@ from producer.api import (
     collect_once,
     enqueue,
     export,
+    first_url,
     gather_progress,
     input_problem,
     write_empty,
@@ -285,6 +287,7 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
     if not config.model_path:
         raise UsageError("BATCHFLEET_MODEL_PATH is not set: the model every GPU's server loads")
     check_model_path(config)
+    _check_kind(args.file, config)
     config = own_dirs(config)
     keys = Keys(run)
     out = sys.stderr
@@ -295,6 +298,27 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
             return _serve(args, config.with_(redis_url=url), gpus, keys, screen, stop, force)
     finally:
         screen.close()
+
+
+def _check_kind(path: Path, config: Config) -> None:
+    """A generation file for servers that will embed is refused now, before Redis, the store or a server
+    starts (`producer enqueue` refuses it once the live workers said so, and the head fails its prompts
+    once, but only after the servers started).
+
+    Only this way round can it be known before the servers start. SGLang 0.5.23 makes a server an
+    embedding one (`/model_info` is_generation false) when it is given `--is-embedding`, or when the
+    model's architecture is one it lists as an embedding, reward or classification model
+    (`configs/model_config.py` `is_generation_model`: BertModel, LlamaEmbeddingModel, ...; the list
+    changes between releases). So `--is-embedding` says the servers embed; its absence does not say
+    they generate, and an embedding file without the flag is left to the live workers' word (an
+    embedding model may not need it). stdin is not read ahead: its lines would be taken from enqueue."""
+    if str(path) == "-" or "--is-embedding" not in config.server_argv_extra:
+        return
+    first = first_url(path)
+    if first is not None and first[1] != EMBEDDINGS:
+        line, url = first
+        raise UsageError(f"{path}:{line}: a {url} request, but BATCHFLEET_SERVER_ARGS has --is-embedding: the servers "
+                         f"would embed, taking {EMBEDDINGS} requests only; nothing was started (a run holds one kind)")
 
 
 def _serve(args: argparse.Namespace, config: Config, gpus: tuple[int, ...], keys: Keys, screen: Screen,

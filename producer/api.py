@@ -9,7 +9,8 @@ and the scripts use of the producer, and all they may use (tests/test_layout.py 
                           pass) -> Enqueued, EnqueueSummary; EmptyInput, ChangedRequests;
                           enqueue_whole (a file as ONE input, whole or not at all, as the Batch
                           API stores a batch) -> Whole, with each refused line's Problem and Fault
-    input files           Lines (a file read as enqueue reads it), input_problem, MissingExtra
+    input files           Lines (a file read as enqueue reads it), input_problem, MissingExtra, first_url
+                          (the endpoint of a file's first request: its run's kind)
     results               collect_once (the workers' results into the store); export, write_export,
                           write_empty, check_target, ExportError (the OpenAI batch output file)
     taking work back      cancel_prompts, cancelled_line (a span's prompts cancelled, their lines)
@@ -19,7 +20,7 @@ and the scripts use of the producer, and all they may use (tests/test_layout.py 
                           caches' line), cannot_serve (what to
                           say of a worker whose server cannot serve)
 
-Each name is documented where it is defined; this module adds `enqueue` and `repair_if_lost`.
+Each name is documented where it is defined; this module adds `enqueue`, `first_url` and `repair_if_lost`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,17 @@ from batchfleet.keys import Keys
 
 from .collect import collect_once
 from .ends import cancel_prompts, cancelled_line
-from .enqueue import ChangedRequests, EmptyInput, EnqueueSummary, Fault, Problem, Whole, enqueue_file, enqueue_whole
+from .enqueue import (
+    ChangedRequests,
+    EmptyInput,
+    EnqueueSummary,
+    Fault,
+    Problem,
+    Whole,
+    enqueue_file,
+    enqueue_whole,
+    read_requests,
+)
 from .export import ExportError, check_target, export, write_empty, write_export
 from .feed import FeedSummary, feed_pass
 from .inputs import Lines, MissingExtra, input_problem
@@ -76,6 +87,7 @@ __all__ = [
     "enqueue_whole",
     "ensure_marker",
     "export",
+    "first_url",
     "gather_progress",
     "input_problem",
     "locate",
@@ -105,6 +117,18 @@ def repair_if_lost(config: Config, r: redis.Redis, loc: Located) -> None:
         print(f"producer: Redis lost the data of run {config.run} (no marker {Keys(config.run).meta}): requeued "
               f"{s.requeued:,} prompt(s) from the store ({s.lost:,} lost, {s.foreign:,} failed by a foreign "
               f"worker; {s.in_redis:,} still in Redis)", file=sys.stderr)
+
+
+def first_url(path: str | Path) -> tuple[int, str] | None:
+    """(line number, url) of the first request of the input file at `path` as enqueue reads it (lines it
+    would reject are passed over), or None when it holds none. A run holds one kind (enqueue refuses a
+    file that mixes embedding and generation requests), so this is the kind of the file's run. Reads
+    up to that line only; not for stdin (`-`), whose lines it would take."""
+    with Lines(str(path)) as lines:
+        for lineno, _, _, got in read_requests(lines, {}, "default"):
+            if type(got) is tuple:
+                return lineno, got[1]
+    return None
 
 
 def priority_level(name: str) -> int | None:

@@ -134,6 +134,10 @@ CASES: dict[str, Case] = {
     "batchfleet run: a GPU group larger than the host has": Case(
         ["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--gpus", "0-3", "--tp", "8"], 2,
         "--tp 8: a server on 8 GPUs, but this host has 4 (nvidia-smi)", env={"SGLANG_SIM_NUM_GPUS": "4"}),
+    "batchfleet run: a completions file for servers started with --is-embedding": Case(
+        ["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--gpus", "0"], 2,
+        "{input}:1: a /v1/completions request, but BATCHFLEET_SERVER_ARGS has --is-embedding",
+        env={"BATCHFLEET_SERVER_ARGS": "--is-embedding"}),
     "batchfleet run: a --tp of 0": Case(["batchfleet", "run", "{input}", "-o", "{tmp}/o.jsonl", "--tp", "0"], 2,
                                         "argument --tp: '0': must be more than 0"),
     "batchfleet serve: a batch limit of 0": Case(["batchfleet", "serve", "--max-requests", "0"], 2,

@@ -6,6 +6,12 @@ per token: one ticker wakes every TICK_S of wall time, turns the elapsed wall ti
 fit, jumping over runs of identical decode steps in one pass (every running request gains one
 token per step, so k steps are one addition).
 
+A rank's clock `t` is the end of its latest forward. It starts no forward before the global clock
+reaches `t` (the GPU is busy until then), and the requests a forward finishes are answered only
+once the global clock reaches that forward's end (`Rank.answer_due`): so a rank may run ahead of
+the global clock by at most one forward, and a request's wall latency is at least its forwards'
+model time / SGLANG_SIM_TIME_SCALE, prefill-only (embedding) requests included.
+
 Mamba slots a running request *holds* (for `mamba usage`) differ from the `ratio` it *reserves*
 for admission: 1 working slot, plus (ratio - 3) tracking slots under extra_buffer variants, plus
 one locked cached-prefix state per two running requests while the radix cache is on. Under the
@@ -163,7 +169,8 @@ class Rank:
         self.tokens = cfg.plan.max_total_num_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.t = 0.0  # this rank's model clock (lags the global clock by less than one step)
+        self.t = 0.0  # this rank's model clock: the end of its latest forward (see the module doc)
+        self.answer_due = False  # the latest forward finished requests, answered once the clock reaches t
         self.decode_steps = 0
         self.cache = RequestCache(cfg.cache_config())
         self.last_prefill_t = 0.0
@@ -304,11 +311,16 @@ class Rank:
         return batch
 
     def advance(self, now: float) -> None:
-        """Run prefill batches and decode steps until this rank's clock reaches `now`."""
+        """Run prefill batches and decode steps until this rank's clock reaches `now`: each forward
+        starts at or before `now` (the last may end after it), and what a forward finishes is answered
+        at the first call whose `now` has reached the forward's end."""
         engine, cfg = self.engine, self.engine.cfg
-        if self.hung:
-            return
         while True:
+            if self.hung or self.t > now:  # a forward runs until t: nothing starts, nothing it finishes is out
+                return
+            if self.answer_due:
+                self.answer_due = False
+                self._retire(engine)
             batch = self._admit()
             if batch and self.running and min(r.arrival_model for r in batch) > self.t:
                 # The batch arrived after this rank's clock: the GPU did not sit idle waiting for it,
@@ -349,9 +361,7 @@ class Rank:
                 self._log(_prefill_line(self, batch, new_tokens, start))
                 if any(r.crash_on_decode for r in batch):
                     _die_decoding_embeddings(self.prefix)
-                self._retire(engine)
-                if self.hung:
-                    return
+                self.answer_due = True  # answered at the forward's end (the loop's top)
                 continue
             if not self.running:
                 self.t = max(self.t, now)
@@ -391,7 +401,7 @@ class Rank:
         engine.metrics.generation_tokens += k * sum(1 for r in self.running if not r.internal)
         if self.decode_steps % interval == 0:
             self._decode_log()
-        self._retire(engine)
+        self.answer_due = True  # answered at the steps' end (advance's loop top)
 
     def _retract(self) -> None:
         """Free KV when the next step would overflow it: newest requests go back to the queue head."""

@@ -9,6 +9,7 @@ import base64
 import math
 import re
 import struct
+import time
 
 import httpx
 import pytest
@@ -246,3 +247,27 @@ def test_the_fault_variables_apply_to_embedding_requests_too() -> None:
         obs = sim.observed()
         assert obs["error_marker_hits"] == 1 and obs["sick"] is True and obs["sick_answers"] == 1
         assert httpx.get(sim.url + "/health_generate").status_code == 500
+
+
+def test_an_embedding_is_answered_no_sooner_than_its_forwards_take_at_the_time_scale() -> None:
+    """The model clock binds embeddings as it binds decode: a forward starts only when the clock has reached
+    the previous one's end, and its requests are answered at its end (before, a prefill-only request was
+    answered at once, and a server's inputs/s had no bound but the CPU)."""
+    prof = get_profile("tiny-embed")
+    scale = 0.05
+    env = {**FAST, "SGLANG_SIM_TIME_SCALE": str(scale)}
+    with start_sim("--is-embedding", env=env, timeout_s=60) as sim, httpx.Client(timeout=60) as client:
+        for i in range(3):  # one document a request: one forward of 3 tokens each (4.03 model ms: 81 ms wall)
+            t0 = time.monotonic()
+            r = client.post(sim.url + "/v1/embeddings", json={"input": f"doc number {i}"})
+            wall = time.monotonic() - t0
+            assert r.status_code == 200
+            assert wall >= prof.prefill_s(3) / scale * 0.99, wall
+        docs = [" ".join(f"d{i}w{j}" for j in range(20)) for i in range(300)]  # 3 forwards (102, 102, 96)
+        t0 = time.monotonic()
+        r = client.post(sim.url + "/v1/embeddings", json={"input": docs})
+        wall = time.monotonic() - t0
+        assert r.status_code == 200 and len(r.json()["data"]) == 300
+        forwards = sum(prof.prefill_s(n * 20) for n in (102, 102, 96))
+        # the server's inputs/s is bounded by its forwards: 300 / wall <= 300 / (forwards / scale)
+        assert wall >= forwards / scale * 0.99, (wall, forwards / scale)

@@ -5,8 +5,9 @@ this fleet (batchapi/, docs/api.md).
        redis-server with an append-only file in the state dir (as `batchfleet run`).
     2. The run's store (run `serve` unless --run / BATCHFLEET_RUN names another), ready for batches.
     3. With --gpus: this host's workers, the head and the autopilot, started as `batchfleet run` starts
-       them (fleetrun.launch). Without: the head only; workers started elsewhere with
-       BATCHFLEET_RUN=<run> serve it (the multi-host recipe).
+       them (fleetrun.launch), their servers scheduling by priority. Without: the head only; workers
+       started elsewhere with BATCHFLEET_RUN=<run> serve it (the multi-host recipe), and need
+       BATCHFLEET_PRIORITY_SCHEDULING=1 for a high batch to pass what waits inside their servers.
     4. The API until SIGINT/SIGTERM, one line per supervisor decision or server restart, and the tenants'
        rows (share, weight, queued, done) when they change; a head that exits is started again; SIGHUP
        reads the tenants file (--tenants) again. Then the workers drain (they hand back what they hold)
@@ -212,7 +213,8 @@ def _serve_leased(args: argparse.Namespace, config: Config, r: redis.Redis, keys
         started = start_fleet(procs, config, groups, supervisor=bool(groups) and not args.no_supervisor,
                               dry_run=args.dry_run, priority=True)
         _say(f"run {run}: {started}; logs in {logs}"
-             + ("" if groups else f"; workers elsewhere serve it: BATCHFLEET_RUN={run} rq worker <host>.gpuN"))
+             + ("" if groups else f"; workers elsewhere serve it: BATCHFLEET_RUN={run} "
+                                  "BATCHFLEET_PRIORITY_SCHEDULING=1 rq worker <host>.gpuN (docs/multihost.md)"))
         auth = f"{len(keys)} API key(s)" if keys.enabled else "no API key (loopback only)"
         if keys.tenants_file is not None:
             auth += f", {len(keys.by_name)} tenant(s) (SIGHUP reads {keys.tenants_file} again)"

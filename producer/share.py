@@ -6,8 +6,11 @@ The rule, in the order it is applied:
 - **Priority first.** `high` (0) before `normal` (1) before `low` (2): an input of a class is fed only
   when no input of a higher class has prompts waiting. High prompts go to the front of the queues
   (`feed.Feeder`): the next slot that frees on any server takes one. Running requests are never aborted
-  for them. Low runs only on capacity nothing else wants, and may wait as long as higher work keeps
-  coming: that is what low asks for. Nothing else can starve (below).
+  for them. Strict, with no aging: while high work waits in the store, normal and low get nothing new,
+  and low runs only on capacity no high or normal work wants. So high starves normal and low, and normal
+  starves low, for as long as it keeps coming: only a tenant the tenants file allows `high` can ask for
+  it (batchapi/tenants.py), and low is asked by the batch that waits. Within a class nothing starves
+  (below).
 - **Within a class, fair share of output tokens by weight.** Each tenant's *usage* is the output tokens
   of its results, decayed with a half-life (`half_life_s`, 5 min), plus what its prompts in Redis are
   expected to generate (its mean completion tokens so far, measured from its results; before 10 results,

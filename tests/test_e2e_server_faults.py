@@ -151,7 +151,7 @@ def test_a_foreign_server_answering_on_our_port_is_not_taken_for_our_server(tmp_
         async def no_check() -> None:  # the port was free when checked; another process took it since
             return None
 
-        monkeypatch.setattr(server, "_clear_leftover", no_check)
+        monkeypatch.setattr(server, "clear_leftover", no_check)
 
         async def go() -> str:
             try:

@@ -18,7 +18,7 @@ def test_a_pid_record_written_while_the_process_is_still_inside_exec_waits_for_i
     leave it holding the port as 'pid reused'. The record is taken again until the command line shows."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        real = server._process_identity
+        real = server.process_identity
         calls = 0
 
         def inside_exec_at_first(pid: int):
@@ -27,14 +27,14 @@ def test_a_pid_record_written_while_the_process_is_still_inside_exec_waits_for_i
             identity = real(pid)
             return {**identity, "cmdline": []} if calls <= 2 and identity else identity
 
-        monkeypatch.setattr(server, "_process_identity", inside_exec_at_first)
+        monkeypatch.setattr(server, "process_identity", inside_exec_at_first)
         path = tmp_path / "sglang-gpu0.pid"
         server.write_pid_record(path, proc.pid)
         record = orjson.loads(path.read_bytes())
         assert record["cmdline"] and record["cmdline"][0] == sys.executable
         assert calls == 3
-        monkeypatch.setattr(server, "_process_identity", real)
-        assert server._leftover_server(path) == proc.pid  # recognised as the very process recorded
+        monkeypatch.setattr(server, "process_identity", real)
+        assert server.leftover_server(path) == proc.pid  # recognised as the very process recorded
     finally:
         proc.kill()
         proc.wait()

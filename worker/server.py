@@ -32,7 +32,7 @@ from .facts import read_facts
 from .flags import ServerCLI, build_argv, read_server_cli
 from .startfail import fatal_line, port_holder, port_in_use_reason, start_failure_reason
 
-__all__ = ["LogPump", "SGLangServer", "write_pid_record"]
+__all__ = ["LogPump", "SGLangServer", "leftover_server", "process_identity", "write_pid_record"]
 
 log = logging.getLogger("batchfleet.worker.server")
 
@@ -78,7 +78,7 @@ class SGLangServer:
         shown = shlex.join(redact_argv(self.argv))
         private_dir(self.config.state_dir)
         private_dir(self.log_path.parent)
-        await self._clear_leftover()
+        await self.clear_leftover()
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, self.gpus)))
         logf = private_file(self.log_path, "ab")
         try:
@@ -169,13 +169,14 @@ class SGLangServer:
         await asyncio.to_thread(self._drain_log)
         log.info("gpu%d: server stopped (exit %s)", self.gpu, proc.returncode)
 
-    async def _clear_leftover(self) -> None:
+    async def clear_leftover(self) -> None:
         """A server left by an earlier worker on this GPU (one killed with -9 where the death signal
         could not be armed) holds the GPU and the port: stop it, but only when it is verifiably that
         server (same pid, same start time, same command line, same boot): a pid the kernel gave to
         another process since is never signalled. A port held by anything else is an error to report,
-        not to wait out. (The host lock, `worker.lock`, already ensures no live worker owns it.)"""
-        pid = _leftover_server(self.pid_path)
+        not to wait out. (The host lock, `worker.lock`, already ensures no live worker owns it.) `start`
+        calls it before each launch."""
+        pid = leftover_server(self.pid_path)
         if pid is not None:
             log.warning("gpu%d: stopping server pid %d left by an earlier worker (verified: same start time "
                         "and command line)", self.gpu, pid)
@@ -269,7 +270,7 @@ class SGLangServer:
                                   max_connections=4)
 
 
-def _process_identity(pid: int) -> dict[str, object] | None:
+def process_identity(pid: int) -> dict[str, object] | None:
     """What identifies a process beyond its (reusable) pid: its start time in clock ticks since boot,
     the boot it belongs to, and its command line. None when it is gone (or a zombie)."""
     try:
@@ -292,12 +293,12 @@ def write_pid_record(path: Path, pid: int) -> None:
     about once in 30 launches): an identity recorded then would never match it again, and the server,
     left behind by a killed worker, would later be taken for a stranger holding the port. So an empty
     command line is read again, for up to a second."""
-    identity = _process_identity(pid)
+    identity = process_identity(pid)
     for _ in range(50):
         if identity is None or identity["cmdline"]:
             break
         time.sleep(0.02)
-        identity = _process_identity(pid)
+        identity = process_identity(pid)
     record = {"pid": pid, **(identity or {})}
     tmp = path.with_suffix(".tmp")
     with private_file(tmp, "wb") as f:
@@ -316,7 +317,7 @@ def _forget_pid_record(path: Path, pid: int) -> None:
             path.unlink()
 
 
-def _leftover_server(path: Path) -> int | None:
+def leftover_server(path: Path) -> int | None:
     """The pid in `path` if that process is alive AND is the very process recorded there; else None
     (with a warning when a live process holds the pid but is not ours)."""
     try:
@@ -326,7 +327,7 @@ def _leftover_server(path: Path) -> int | None:
     if not isinstance(record, dict) or not isinstance(record.get("pid"), int) or record["pid"] <= 1:
         return None  # an old bare-number pid file, or garbage: nothing can be verified, nothing is killed
     pid = record["pid"]
-    now = _process_identity(pid)
+    now = process_identity(pid)
     if now is None:
         return None
     if any(record.get(k) != now[k] for k in ("start_ticks", "boot_id", "cmdline")):

@@ -27,6 +27,7 @@ the servers), each launch under a header line; a lease in Redis (fleetrun.lease)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -266,9 +267,9 @@ def _run(args: argparse.Namespace, stop: list[bool], force: list[bool]) -> int:
             check_target(args.errors, "--errors")
     except ExportError as exc:
         raise UsageError(str(exc)) from None
-    try:
-        with Lines(str(args.file)) as lines:
-            empty = not lines.has_prompt_line()
+    try:  # stdin is not read ahead: the line it found would be taken from the enqueue that follows
+        with contextlib.nullcontext(None) if str(args.file) == "-" else Lines(str(args.file)) as lines:
+            empty = lines is not None and not lines.has_prompt_line()
     except (OSError, EOFError) as exc:  # a corrupt .gz/.zst
         raise UsageError(f"{args.file}: cannot read: {exc}") from None
     if empty:  # nothing to run: no Redis, no store, no key; the export of no prompts

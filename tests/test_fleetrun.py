@@ -291,3 +291,16 @@ def test_another_file_of_the_same_name_is_refused_and_rerun_changed_serves_only_
     assert "10 lines: 0 new, 0 already in the store, 7 already finished, 3 changed (run again)" in said
     assert answers("rB.jsonl") == [expected_text(r) for r in rows_b]
     assert served(tmp_path) == 3  # the new server's record: only the three changed prompts ran
+
+
+def test_batchfleet_run_reads_its_prompts_from_stdin_every_line_of_them(tmp_path: Path) -> None:
+    """`batchfleet run - -o OUT` with the prompts piped in: the first line too (the check for an empty
+    input must not take it from the enqueue that follows)."""
+    rows = write_prompts(tmp_path / "prompts.jsonl", 5, max_tokens=8)
+    env = run_env(tmp_path, SGLANG_SIM_TIME_SCALE="40")
+    with (tmp_path / "prompts.jsonl").open("rb") as stdin:
+        done = subprocess.run([str(BIN / "batchfleet"), "run", "-", "-o", "results.jsonl", "--gpus", "0",
+                               "--run", "piped"], env=env, cwd=tmp_path, stdin=stdin, capture_output=True,
+                              text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    check_export(tmp_path, rows)

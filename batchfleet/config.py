@@ -98,6 +98,10 @@ class Config:
     # between) make it the server's fault (worker.breaker).
     breaker_prompts: int = 5
     max_pending_results: int = 500_000  # stop taking work when the collector falls this far behind
+    # ... or when the results stream holds about this many bytes (its length x the worker's mean result
+    # size): an embedding result carries its vectors (~20 KB a 1024-dimension input), so a count alone let
+    # a fleet whose head had stopped fill Redis's memory long before 500,000 results
+    max_pending_result_bytes: int = 256 * 1024 * 1024
 
     # Tests only: shift every wall-clock reading a worker takes (status/event/result timestamps) by this
     # many seconds, to show that no lease or timeout decision trusts a host's clock (they use Redis TIME).
@@ -177,6 +181,8 @@ class Config:
             raise ConfigError("server_start_attempts and breaker_prompts must be at least 1")
         if self.failed_retry_s <= 0:
             raise ConfigError("failed_retry_s must be positive")
+        if self.max_pending_result_bytes < 1:
+            raise ConfigError("max_pending_result_bytes must be at least 1")
         try:
             shlex.split(self.sglang_cmd + " " + self.server_args)
         except ValueError as exc:

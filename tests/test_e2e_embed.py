@@ -9,6 +9,7 @@ import base64
 import signal
 import sqlite3
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,43 @@ def test_a_run_of_the_other_kind_than_its_fleet_is_refused_once_and_never_sent(
     assert done.returncode == 2 and len(err) == 1 and "more.jsonl:1:" in err[0] and "nothing of" in err[0], done.stderr
     assert "Traceback" not in done.stderr
     assert fleet.stop_all()[0] == 0
+
+
+def test_a_worker_pauses_when_the_results_stream_holds_about_its_byte_bound_and_resumes_when_collected(
+        tmp_path: Path, redis_url: str) -> None:
+    """An embedding result carries its vectors (here ~80 KB a line of 16 inputs): with the head stopped, the
+    count bound (500,000 entries) let Redis fill its memory. The byte bound pauses the worker once the stream
+    holds about BATCHFLEET_MAX_PENDING_RESULT_BYTES (what is in flight then still finishes), and it takes
+    work again once the head has collected; every line exactly once."""
+    bound, n, in_flight = 2 * 1024 * 1024, 120, 4
+    fleet = Fleet(tmp_path, redis_url, gpus=1, env={**EMBED_ENV, "BATCHFLEET_MAX_PENDING_RESULT_BYTES": str(bound),
+                                                   "BATCHFLEET_MAX_IN_FLIGHT": str(in_flight)})
+    rows = [{"custom_id": f"b{i}", "method": "POST", "url": EMB,
+             "body": {"input": [f"document {i} part {j} of many" for j in range(16)]}} for i in range(n)]
+    write_rows(tmp_path / "docs.jsonl", rows)
+    fleet.producer("enqueue", "docs.jsonl", "--queues", fleet.queues)
+    fleet.start_worker(0)  # no head: nothing collects
+    fleet.wait_for(lambda: "results stream holds" in fleet.worker_log(0), 120, "the worker to pause")
+    lengths = [-1]
+
+    def settled_stream() -> bool:  # the prompts in flight at the pause have finished: the stream stops growing
+        lengths.append(fleet.r.xlen(fleet.k.results))
+        time.sleep(0.5)
+        return lengths[-1] == lengths[-2] and fleet.r.zcard(fleet.k.leases) == 0
+
+    fleet.wait_for(settled_stream, 60, "the paused worker's last prompts to finish")
+    held = [len(f[b"r"]) for _, f in fleet.r.xrange(fleet.k.results)]
+    size = sum(held) / len(held)
+    assert len(held) < n and fleet.finished() == len(held), (len(held), n)
+    # about the bound: past it (the pause), and by no more than what was in flight and being written then
+    assert bound * 0.95 < sum(held) <= bound + 2 * in_flight * size, (sum(held), bound, size)
+    fleet.start_head()
+    fleet.wait_for(lambda: fleet.finished() >= n, 240, "the paused worker to resume and finish")
+    assert "taking work again" in fleet.worker_log(0)
+    assert fleet.stop_all()[0] == 0
+    lines = export(fleet, tmp_path)
+    assert len(lines) == n and len({x["custom_id"] for x in lines}) == n  # 0 lost, 0 duplicated
+    by_id = {x["custom_id"]: x for x in lines}
+    for row in rows:
+        check_line(row, by_id[row["custom_id"]])
+    assert fleet.stats()["succeeded"] == n

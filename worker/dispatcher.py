@@ -24,7 +24,9 @@ the innocent prompts a death struck run at the fleet's pace, not one per worker.
 
 A cancelled run (`producer cancel`) is claimed from no more: what a claim brings back anyway is
 dropped. The loop does not claim while the server is down, so nothing cycles claim -> fail -> hand
-back; nor while the results stream is longer than the collector can keep up with.
+back; nor while the results stream is longer than the collector can keep up with: more entries than
+`max_pending_results`, or about more bytes than `max_pending_result_bytes` (its length x this worker's
+mean result size: an embedding result is ~20 KB a 1024-dimension input, and Redis holds them in memory).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ SUSPECT_GROUP_MAX = 8
 # `leaders_first`: the first prompts of a block of units, about 4 prefill batches (SGLang's default
 # --max-prefill-tokens is 16,384 tokens; ~4 bytes a token).
 LEADERS_BLOCK_BYTES = 256 * 1024
+MIB = 1024 * 1024
 
 
 class Dispatcher:
@@ -112,7 +115,7 @@ class Dispatcher:
                 await asyncio.wait({self.board.solo})
                 continue
             took, freed_at = await self._free_slots()
-            if self.gate.mode & HELD or self.ledger.results_backlog > self.config.max_pending_results:
+            if self.gate.mode & HELD or self._collector_behind():
                 slots.release(took)
                 if not self.gate.mode & HELD:
                     await self._wait_for_collector()
@@ -199,23 +202,32 @@ class Dispatcher:
                 await asyncio.sleep(0.5)
         return True
 
+    def _collector_behind(self) -> bool:
+        """Does the results stream hold more than the collector should let wait: more entries than
+        `max_pending_results`, or about more bytes than `max_pending_result_bytes`?"""
+        ledger, config = self.ledger, self.config
+        return (ledger.results_backlog > config.max_pending_results
+                or ledger.backlog_bytes > config.max_pending_result_bytes)
+
     async def _wait_for_collector(self) -> None:
         """The results stream is too long. Look again (not only when something is flushed, which nothing
         is while waiting) until the collector has drained it."""
+        ledger = self.ledger
         if not self._collector_said:
             self._collector_said = True
-            log.warning("results stream holds %d entries: is `producer collect` running? pausing until it drains",
-                        self.ledger.results_backlog)
+            log.warning("results stream holds %d entries (~%.1f MiB of results): is `producer collect` running? "
+                        "pausing until it drains", ledger.results_backlog, ledger.backlog_bytes / MIB)
         await asyncio.sleep(min(5.0, self.config.status_interval_s))
         try:
-            await self.ledger.flush()
-            backlog = await self.ledger.refresh_backlog()
+            await ledger.flush()
+            backlog = await ledger.refresh_backlog()
         except (redis.RedisError, OSError) as exc:
             LINK.lost("reading the results stream's length", exc)
             return
-        if backlog <= self.config.max_pending_results:
+        if not self._collector_behind():
             self._collector_said = False
-            log.info("results stream down to %d entries: taking work again", backlog)
+            log.info("results stream down to %d entries (~%.1f MiB): taking work again", backlog,
+                     ledger.backlog_bytes / MIB)
 
 
 def leaders_first(claims: list[Claim]) -> list[Claim]:

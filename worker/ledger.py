@@ -158,6 +158,11 @@ class Ledger:
         self._wake = asyncio.Event()
         self._closing = False
         self.results_backlog = 0  # entries waiting in the results stream, as last seen
+        # bytes and number of the results this worker queued for the stream: their mean sizes the backlog;
+        # and how many of them are not in the stream yet (pending, or in a flush on its way)
+        self.result_bytes = 0
+        self.results_written = 0
+        self._unwritten = 0
         self.stale = 0  # finishes refused because the lease had lapsed
         k = keyspace
         # the KEYS of every script that puts jobs back where their strikes say
@@ -192,9 +197,22 @@ class Ledger:
     # --- finish (batched) --------------------------------------------------------------------------
     def finish(self, claim: Claim, result: Result, exc_string: str = "") -> None:
         """Queue a final outcome; the flusher writes it with others in one script call."""
-        self._pending.append(_Finish.of(claim, b"s" if result.ok else b"f", result.to_json(), exc_string,
+        payload = result.to_json()
+        self.result_bytes += len(payload)
+        self.results_written += 1
+        self._unwritten += 1
+        self._pending.append(_Finish.of(claim, b"s" if result.ok else b"f", payload, exc_string,
                                         result.completion_tokens))
         self._wake.set()
+
+    @property
+    def backlog_bytes(self) -> int:
+        """About how many bytes of results the stream holds, with this worker's on their way to it: (its
+        length as last seen + this worker's results not in it yet) x the mean size of this worker's results (a
+        run's results are of one kind; no O(n) call to Redis). 0 before its first result."""
+        if not self.results_written:
+            return 0
+        return (self.results_backlog + self._unwritten) * self.result_bytes // self.results_written
 
     def refuse(self, claim: Claim, reason: str) -> None:
         """Fail a job no worker of this run may run: RQ's failed registry (`rq requeue` brings it
@@ -272,6 +290,7 @@ class Ledger:
                 self._finishing.difference_update(finishing)
             for f in batch:
                 self.held.pop(f.claim.jid, None)
+            self._unwritten -= sum(1 for f in batch if f.meta[:1] != b"r")
             self.results_backlog = int(backlog)
             if stale:
                 self.stale += len(stale)

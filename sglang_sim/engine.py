@@ -533,7 +533,9 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return sum(sum(1 for q in r.waiting if q.state == "waiting") for r in self.ranks)
+        """Requests waiting (a waiting queue holds no other: `finish_abort` takes an aborted one out). Read every
+        tick: a sum over each queue cost ~0.2 of a core per server with 4,000 queued embeddings."""
+        return sum(len(r.waiting) for r in self.ranks)
 
     @property
     def reported_running(self) -> int:
@@ -577,11 +579,10 @@ class Engine:
     def submit(self, req: Request) -> None:
         """Queue a request on the next dp rank (round robin); QueueFullError past --max-queued-requests."""
         rank = self.ranks[self._next_rank % len(self.ranks)]
-        if self.cfg.max_queued is not None and not req.internal:
-            # Requests the next scheduling step will admit are not "queued" (they arrived within a tick).
-            waiting = sum(1 for q in rank.waiting if q.state == "waiting")
-            if waiting - max(0, rank.cap - len(rank.running)) >= self.cfg.max_queued:
-                raise QueueFullError("The request queue is full.")
+        # Requests the next scheduling step will admit are not "queued" (they arrived within a tick).
+        if self.cfg.max_queued is not None and not req.internal and \
+                len(rank.waiting) - max(0, rank.cap - len(rank.running)) >= self.cfg.max_queued:
+            raise QueueFullError("The request queue is full.")
         req.arrival_model = self.model_now()
         self._next_rank += 1
         if self.request_log is not None and not req.internal:
@@ -617,9 +618,16 @@ class Engine:
             self.first_admit_wall = time.time()
         self.faults.on_admitted(self.admitted_total, self, req.prompt_words)
 
-    def finish_abort(self, req: Request, message: str, *, status: int = 200) -> None:
+    def finish_abort(self, req: Request, message: str, *, status: int = 200, dequeue: bool = True) -> None:
+        """End `req` aborted. A queued one leaves its waiting queue (`dequeue`; False: the caller rebuilds the
+        queues), so that a waiting queue holds only waiting requests and `queued` is its length."""
         if req.state in ("finished", "aborted"):
             return
+        if dequeue and req.state == "waiting":
+            for rank in self.ranks:
+                if req in rank.waiting:
+                    rank.waiting.remove(req)
+                    break
         req.state, req.abort_message, req.finish_model = "aborted", message, self.model_now()
         req.abort_status = status
         if not req.internal:
@@ -636,9 +644,11 @@ class Engine:
                 if req.internal or req.state in ("finished", "aborted"):
                     continue
                 if abort_all or (rid and req.rid.startswith(rid)):
-                    self.finish_abort(req, "Abort request." if not abort_all else "Abort all requests.")
+                    self.finish_abort(req, "Abort request." if not abort_all else "Abort all requests.", dequeue=False)
                     n += 1
             rank.drop_aborted()
+            if n:
+                rank.waiting = deque(q for q in rank.waiting if q.state == "waiting")
         return n
 
     def flush_cache(self) -> bool:

@@ -141,6 +141,16 @@ class Result:
     # The fingerprint of the request that was sent (the Prompt's `fp`): the collector refuses a result
     # whose request the store no longer holds (`enqueue --rerun-changed` replaced it; same job id).
     fp: str = ""
+    # An embedding's answer as the server sent it: its JSON text (an object, on one line), carried unparsed,
+    # with `body` None. Its vectors are ~20 KB of JSON an input: the worker parses them once (to read
+    # `usage` and check the answer is an object), the collector and the export never (`batch_output_line`
+    # writes this text as the line's body, byte for byte). "" in any other result, and from older workers.
+    raw_body: str = ""
+
+    def __post_init__(self) -> None:
+        raw = self.raw_body
+        if raw and (self.body is not None or raw[:1] != "{" or raw[-1:] != "}" or "\n" in raw or "\r" in raw):
+            raise ValueError("raw_body must be a JSON object on one line, and body then None")
 
     @property
     def ok(self) -> bool:
@@ -162,11 +172,12 @@ class Result:
         """One line of OpenAI's batch output (or error) file. A request that got an HTTP answer has it
         in `response` (`status_code`, `request_id`, `body`: the answer's JSON body, an error's too) and
         `error` null; `error` (`code`, `message`) is for one that got no usable answer (no answer at
-        all, or a 200 that was not JSON), with `response` null."""
+        all, or a 200 that was not JSON), with `response` null. A `raw_body` is the body as an
+        `orjson.Fragment`: the line is for `orjson.dumps`."""
         answered = self.error is None or (100 <= self.status_code <= 599 and self.status_code != 200)
         if not answered:
             return {"id": f"batch_req_{self.jid}", "custom_id": self.cid, "response": None, "error": self.error}
-        body = self.body
+        body: Any = orjson.Fragment(self.raw_body) if self.raw_body else self.body  # raw: for orjson.dumps, as is
         if body is None and self.error is not None:  # the server's error answer was not a JSON object
             body = {"error": {"message": self.error.get("message", "")}}
         return {"id": f"batch_req_{self.jid}", "custom_id": self.cid,

@@ -65,7 +65,12 @@ class SGLangClient:
 
     async def complete(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST one OpenAI-shaped request to `url` (a path); return the reply or raise
-        PromptError/RetryableError.
+        PromptError/RetryableError (see `complete_raw`)."""
+        return (await self.complete_raw(url, body))[0]
+
+    async def complete_raw(self, url: str, body: dict[str, Any]) -> tuple[Any, bytes]:
+        """`complete`, and the reply's bytes as they came: a caller may carry a large answer on unparsed
+        (an embedding's vectors) instead of dumping what it parsed again.
 
         No HTTP answer -> RetryableError (status None; its cause is `http1.ConnectFailed` when the
         request was never sent); 200 with unreadable JSON -> RetryableError; 400/404/413/422 ->
@@ -77,7 +82,7 @@ class SGLangClient:
             raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
         if status == 200:
             try:
-                return orjson.loads(content)
+                return orjson.loads(content), content
             except orjson.JSONDecodeError as exc:
                 raise RetryableError(f"unreadable reply: {content[:200]!r}", status_code=200) from exc
         message = error_message(status, content)

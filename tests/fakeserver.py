@@ -8,6 +8,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
+
 from batchfleet.config import Config
 from worker.dispatcher import Dispatcher
 from worker.ledger import Ledger
@@ -38,6 +40,10 @@ class FakeServer:
 
     async def complete(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.answer(body)
+
+    async def complete_raw(self, url: str, body: dict[str, Any]) -> tuple[Any, bytes]:
+        reply = await self.answer(body)
+        return reply, orjson.dumps(reply)
 
     async def abort(self, rids: list[str]) -> int:
         self.aborted += rids

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from batchfleet.keys import Keys
+from batchfleet.records import Result
 from sglang_sim.embedding import expected_embedding
 
 from .fleet import Fleet, write_prompts
@@ -198,7 +199,11 @@ def test_a_worker_pauses_when_the_results_stream_holds_about_its_byte_bound_and_
         return lengths[-1] == lengths[-2] and fleet.r.zcard(fleet.k.leases) == 0
 
     fleet.wait_for(settled_stream, 60, "the paused worker's last prompts to finish")
-    held = [len(f[b"r"]) for _, f in fleet.r.xrange(fleet.k.results)]
+    entries = fleet.r.xrange(fleet.k.results)
+    held = [len(f[b"r"]) for _, f in entries]
+    # the vectors travel as the server's JSON text (Result.raw_body): the collector parses no float of them
+    first = Result.from_json(entries[0][1][b"r"])
+    assert first.body is None and orjson.loads(first.raw_body)["object"] == "list"
     size = sum(held) / len(held)
     assert len(held) < n and fleet.finished() == len(held), (len(held), n)
     # about the bound: past it (the pause), and by no more than what was in flight and being written then

@@ -171,3 +171,35 @@ def test_records_built_here_hold_enum_members_not_strings():
     assert Event(kind="manual", message="m").kind is EventKind.MANUAL  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         WorkerStatus(worker="w", host="h", queue="q", gpu=0, state="dancing")  # type: ignore[arg-type]
+
+
+EMBEDDING_ANSWER = orjson.dumps({"data": [{"embedding": [0.0625, -0.125, 1e-05, 0.3333333432674408], "index": 0,
+                                           "object": "embedding"}], "model": "m", "object": "list",
+                                 "usage": {"prompt_tokens": 3, "total_tokens": 3, "completion_tokens": 0}})
+
+
+def test_an_answer_carried_raw_exports_byte_for_byte_as_the_parsed_one_and_is_never_parsed_again():
+    """An embedding's vectors travel from the worker to the export as the server's JSON text: the line is the
+    same bytes as with the parsed body, and the record holds a string (the collector parses no float)."""
+    parsed = Result(cid="c", jid="j", seq=1, status_code=200, body=orjson.loads(EMBEDDING_ANSWER))
+    raw = Result(cid="c", jid="j", seq=1, status_code=200, raw_body=EMBEDDING_ANSWER.decode())
+    assert orjson.dumps(raw.batch_output_line()) == orjson.dumps(parsed.batch_output_line())
+    wire = orjson.loads(raw.to_json())
+    assert wire["body"] is None and wire["raw_body"] == EMBEDDING_ANSWER.decode()
+    back = Result.from_json(raw.to_json())
+    assert back == raw and back.ok and back.completion_tokens == 0
+    old = orjson.loads(parsed.to_json())
+    del old["raw_body"]  # a worker older than raw_body: its body is exported as before
+    assert orjson.dumps(Result.from_json(orjson.dumps(old)).batch_output_line()) == \
+        orjson.dumps(parsed.batch_output_line())
+
+
+@pytest.mark.parametrize("fields", [
+    {"raw_body": '{"a": 1}', "body": {"a": 1}},  # both: which is the answer?
+    {"raw_body": '{"a":\n1}'},  # would break the export's one line per prompt
+    {"raw_body": '{"a": 1}\r'},
+    {"raw_body": '[1, 2]'},  # not an object
+])
+def test_a_raw_body_that_is_not_one_object_on_one_line_is_refused(fields):
+    with pytest.raises(RecordError, match="raw_body"):
+        Result.from_json(orjson.dumps({"cid": "c", "jid": "j", "seq": 1, "status_code": 200, **fields}))

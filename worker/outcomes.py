@@ -28,6 +28,15 @@ log = logging.getLogger("batchfleet.worker.dispatcher")
 LOG_TAIL_CHARS = 4000  # of the server log, in a quarantined prompt's result
 
 
+def _one_line_object(raw: bytes) -> str:
+    """The text of a JSON object's bytes (parsed already: valid JSON) when it fits on one line of the export,
+    else "" (a pretty-printed answer is dumped again, as any other)."""
+    raw = raw.strip(b" \t\r\n")
+    if raw[:1] != b"{" or raw[-1:] != b"}" or b"\n" in raw or b"\r" in raw:
+        return ""
+    return raw.decode()
+
+
 class Outcomes:
     def __init__(self, ledger: Ledger, tally: Tally, *, worker: str, clock: Callable[[], float], scrub: Scrubber,
                  breaker: Breaker, turnover: Turnover, on_completion: Callable[[int], None],
@@ -43,11 +52,16 @@ class Outcomes:
         # (job bytes, prompt tokens) of each answered embedding: what its usage says a request's bytes are
         self.on_prompt_tokens = on_prompt_tokens
 
-    def succeed(self, flight: Flight, body: dict[str, Any]) -> None:
+    def succeed(self, flight: Flight, body: dict[str, Any], raw: bytes | None = None) -> None:
+        """`raw`: the answer's bytes, as the server sent them (`body` is what they parse to). An object on one
+        line is carried as is (`Result.raw_body`): its floats are not dumped again here, nor parsed by the
+        collector."""
         prompt = flight.prompt
         assert prompt is not None
-        result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=200, body=body,
-                        worker=self.worker, attempts=flight.attempts, finished_at=self.clock(), fp=prompt.fp)
+        text = _one_line_object(raw) if raw is not None and isinstance(body, dict) else ""
+        result = Result(cid=prompt.cid, jid=flight.claim.jid, seq=prompt.seq, status_code=200,
+                        body=None if text else body, raw_body=text, worker=self.worker, attempts=flight.attempts,
+                        finished_at=self.clock(), fp=prompt.fp)
         flight.settle()
         self.tally.done += 1
         self.breaker.success()

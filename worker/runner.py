@@ -102,7 +102,10 @@ class PromptRunner:
                     client = self.server.client
                     if client is None:
                         raise RetryableError("no server serves yet") from ConnectFailed("no server")
-                    body = await client.complete(prompt.url, prompt.body)
+                    if prompt.url == EMBEDDINGS:  # its vectors travel on as the server wrote them
+                        body, raw = await client.complete_raw(prompt.url, prompt.body)
+                    else:
+                        body, raw = await client.complete(prompt.url, prompt.body), None
                 except RetryableError as exc:
                     if not await self._again(flight, earlier, exc):
                         return
@@ -111,7 +114,7 @@ class PromptRunner:
                     self.judge.breaker.success()  # the server answered sanely: the prompt is at fault
                     self.outcomes.fail(flight, exc.status_code, ErrorCode.INVALID_PROMPT, str(exc), exc.body)
                     return
-                self.outcomes.succeed(flight, body)
+                self.outcomes.succeed(flight, body, raw)
                 return
         except Trimmed as exc:
             flight.state = _SETTLED

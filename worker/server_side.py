@@ -15,6 +15,10 @@ class GenerationClient(Protocol):
 
     async def complete(self, url: str, body: dict[str, Any]) -> dict[str, Any]: ...
 
+    async def complete_raw(self, url: str, body: dict[str, Any]) -> tuple[Any, bytes]:
+        """`complete`, and the reply's bytes as they came (sent for embeddings)."""
+        ...
+
     async def abort(self, rids: list[str]) -> int: ...
 
 

@@ -4,14 +4,21 @@
 1. ceiling: 8 bare simulators, one aiohttp client each sending its share of the same requests straight
    to its server with no batchfleet in between, at several in-flight counts per server (`--ceiling-
    concurrency`, far past what one prefill forward takes); the best inputs/s of them is the ceiling
-   (over the first `--ceiling-n` documents: a rate, the same steady state).
+   (over the first `--ceiling-n` documents: a rate, the same steady state). The servers' radix caches
+   are flushed before each round: a round of documents cached by the previous one prefills one token
+   each, and would measure a ceiling no fleet of new documents can reach.
 2. fleet: the N documents as `--per-line` inputs per line, `producer enqueue` + 8 `rq worker`s + the
-   head, inputs/s from the moment every worker serves to the last result; then `producer export`,
+   head, inputs/s from the moment every worker serves to the last result, the CPU each part spent
+   meanwhile (workers, their servers, the head, Redis) and Redis's peak memory; then `producer export`,
    its max RSS (`/usr/bin/time`), and the export checked: every line once (0 lost, 0 duplicated),
    every input in it, a sample of vectors exactly `sglang_sim.embedding.expected_embedding`.
 3. small: the same with 10,000 documents on 2 GPUs: the export's max RSS beside the N-run's.
 
-    .venv/bin/python bench/bench_embed.py [--n 1000000] [--per-line 16] [--words 8] [--time-scale 0.05]
+    .venv/bin/python bench/bench_embed.py [--n 1000000] [--per-line 16] [--words 8] [--time-scale 0.02]
+
+The time scale must leave the simulated servers, not the 2 cores, the bound: at 0.02 the 8 servers' forwards
+(1024 eight-token documents in 87 model ms each) allow ~1,885 inputs/s, and the whole fleet (servers, workers,
+head, Redis) spends ~420 us of CPU an input, ~0.8 of a core. At 0.05 it would need ~2 cores.
 
 Goals: fleet / ceiling >= 0.97; export RSS of N within 100 MiB of the 10,000 run's; 0 lost, 0 duplicated.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import subprocess
 import sys
@@ -30,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import orjson
 import redis
 
@@ -95,6 +104,8 @@ def ceiling(reqs: list[dict[str, Any]], inputs: int, *, gpus: int, time_scale: f
             s.start(timeout_s=60)
         shares = [reqs[g::gpus] for g in range(gpus)]
         for c in concurrencies:
+            for s in sims:  # each round's documents are new to the servers, as the fleet's are to its own
+                assert httpx.post(s.url + "/flush_cache", timeout=30).status_code == 200
             wall = asyncio.run(_all(sims, shares, c))
             out[c] = inputs / wall
             print(f"  ceiling, {c:5d} in flight per server: {out[c]:9,.0f} inputs/s ({wall:.1f} s)", flush=True)
@@ -102,6 +113,36 @@ def ceiling(reqs: list[dict[str, Any]], inputs: int, *, gpus: int, time_scale: f
 
 
 # --- 2. the fleet -------------------------------------------------------------------------------------
+def _stat(pid: int) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+
+
+def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each role's processes and all their live descendants."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None:
+            parent[int(entry.name)] = int(st[1])
+            ticks[int(entry.name)] = int(st[11]) + int(st[12])
+    hz = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for role, roots in roles.items():
+        tree, todo = set(), list(roots)
+        while todo:
+            pid = todo.pop()
+            if pid in tree:
+                continue
+            tree.add(pid)
+            todo += [c for c, pp in parent.items() if pp == pid]
+        out[role] = sum(ticks.get(pid, 0) for pid in tree) / hz
+    return out
+
+
 def export_rss_mib(fleet: Fleet, out: Path) -> float:
     """Run `producer export` under /usr/bin/time; its max RSS in MiB."""
     done = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb %M", str(ROOT / ".venv" / "bin" / "producer"),
@@ -142,7 +183,7 @@ def check_export(out: Path, reqs: list[dict[str, Any]], *, sample: int = 200) ->
 
 
 def fleet_run(tmp: Path, redis_url: str, reqs: list[dict[str, Any]], *, gpus: int, time_scale: float,
-              run: str) -> dict[str, Any]:
+              run: str, redis_pid: int | None = None) -> dict[str, Any]:
     env = {**sim_env(time_scale), "BATCHFLEET_MODEL_PATH": MODEL, "BATCHFLEET_SERVER_ARGS": "--is-embedding",
            "BATCHFLEET_STATUS_INTERVAL_S": "1"}
     tmp.mkdir(parents=True, exist_ok=True)
@@ -161,16 +202,28 @@ def fleet_run(tmp: Path, redis_url: str, reqs: list[dict[str, Any]], *, gpus: in
         fleet.start_head()
         fleet.wait_for(lambda: sum(s.state is WorkerState.SERVING for s in fleet.statuses()) == gpus, 300,
                        "every worker to serve")
+        assert fleet.head is not None
+        roles = {"workers": [p.pid for p in fleet.procs], "head": [fleet.head.pid],
+                 **({"redis": [redis_pid]} if redis_pid else {})}  # a worker's role includes its server
+        cpu0 = cpu_by_role(roles)
         t0 = time.monotonic()
+
+        peak_stream = [0]
 
         def done() -> bool:
             try:
+                peak_stream[0] = max(peak_stream[0], fleet.r.xlen(fleet.k.results))
                 return fleet.finished() >= len(reqs)
             except redis.RedisError:  # Redis busy with a page of vectors for a moment: ask again
                 return False
 
         fleet.wait_for(done, 36000, "every line")
         wall = time.monotonic() - t0
+        cpu = {k: v - cpu0[k] for k, v in cpu_by_role(roles).items()}
+        servers = cpu_by_role({"servers": [p for pid in roles["workers"] for p in _children(pid)]})["servers"]
+        cpu = {"workers": cpu["workers"] - servers, "servers": servers, **{k: v for k, v in cpu.items()
+                                                                          if k != "workers"}}
+        redis_peak = fleet.r.info("memory").get("used_memory_peak", 0)
         slots = sorted({s.slots for s in fleet.statuses()})
     finally:
         fleet.stop_all()
@@ -178,7 +231,17 @@ def fleet_run(tmp: Path, redis_url: str, reqs: list[dict[str, Any]], *, gpus: in
     rss = export_rss_mib(fleet, out)
     lost, duplicated, inputs = check_export(out, reqs)
     return {"wall_s": wall, "enqueue_s": enqueue_s, "rss_mib": rss, "lost": lost, "duplicated": duplicated,
-            "inputs": inputs, "slots": slots, "export_bytes": out.stat().st_size}
+            "inputs": inputs, "slots": slots, "export_bytes": out.stat().st_size, "cpu": cpu,
+            "redis_peak_mib": redis_peak / 2**20, "peak_stream": peak_stream[0]}
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of `pid` (a worker's: its server)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None and int(st[1]) == pid:
+            out.append(int(entry.name))
+    return out
 
 
 def main() -> int:
@@ -187,7 +250,7 @@ def main() -> int:
     ap.add_argument("--per-line", type=int, default=16, help="documents per input line (one request)")
     ap.add_argument("--words", type=int, default=8, help="words (tokens) per document")
     ap.add_argument("--gpus", type=int, default=8)
-    ap.add_argument("--time-scale", type=float, default=0.05,
+    ap.add_argument("--time-scale", type=float, default=0.02,
                     help="model seconds per wall second: low enough that the model, not 2 cores, binds")
     ap.add_argument("--ceiling-n", type=int, default=200_000, help="documents the ceiling is measured on")
     ap.add_argument("--ceiling-concurrency", default="64,256,1024", help="in flight per server, comma-separated")
@@ -206,10 +269,14 @@ def main() -> int:
     best = max(ceil.values())
     with tempfile.TemporaryDirectory(prefix="bench-embed-") as tmp, PrivateRedis() as redis_:
         big = fleet_run(Path(tmp) / "big", redis_.url, reqs, gpus=args.gpus, time_scale=args.time_scale,
-                        run="embed-big")
+                        run="embed-big", redis_pid=redis_.proc.pid if redis_.proc else None)
         rate = args.n / big["wall_s"]
         print(f"  fleet: {rate:9,.0f} inputs/s ({big['wall_s']:.1f} s from every worker serving; enqueue "
               f"{big['enqueue_s']:.1f} s; in-flight limits {big['slots']})", flush=True)
+        print("  CPU while serving: " + ", ".join(f"{k} {v:.1f} s ({v / big['wall_s']:.2f} cores, "
+                                                  f"{v / args.n * 1e6:.0f} us/input)" for k, v in big["cpu"].items())
+              + f"; Redis peak memory {big['redis_peak_mib']:,.0f} MiB, results stream at most "
+              f"{big['peak_stream']:,} entries (polled)", flush=True)
         small_docs = documents(args.small, args.words, seed=2)
         small = fleet_run(Path(tmp) / "small", redis_.url, bodies(small_docs, args.per_line), gpus=2,
                           time_scale=args.time_scale, run="embed-small")
@@ -218,6 +285,7 @@ def main() -> int:
     print(f"export max RSS: {big['rss_mib']:.1f} MiB for {args.n:,} inputs ({big['export_bytes'] / 2**20:,.0f} MiB "
           f"written) vs {small['rss_mib']:.1f} MiB for {args.small:,}: +{big['rss_mib'] - small['rss_mib']:.1f} MiB "
           f"(goal <= 100)")
+    print(f"Redis peak memory (used_memory_peak): {big['redis_peak_mib']:,.0f} MiB")
     print(f"exactly once: {big['lost']} lost, {big['duplicated']} duplicated, {big['inputs']:,} of {args.n:,} inputs "
           f"embedded; small run {small['lost']} lost, {small['duplicated']} duplicated")
     ok = (ratio >= 0.97 and big["rss_mib"] - small["rss_mib"] <= 100 and big["lost"] == big["duplicated"] == 0

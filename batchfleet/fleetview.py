@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 
 from .keys import (
     CACHED_TOKENS,
@@ -54,7 +55,7 @@ from .keys import (
 from .marker import FINISHED
 from .records import MAX_RUNNING_RANGE, RecordError, WorkerState, WorkerStatus
 
-__all__ = ["SILENT_AFTER_S", "Eta", "FleetView", "duration_text", "eta_text", "read_fleet_view"]
+__all__ = ["SILENT_AFTER_S", "Eta", "FleetView", "aread_fleet_view", "duration_text", "eta_text", "read_fleet_view"]
 
 log = logging.getLogger("batchfleet.fleetview")
 
@@ -242,10 +243,32 @@ def read_fleet_view(r: redis.Redis, keys: Keys, *, queue_pattern: str | None = N
     """Read the run's fleet in two round trips. `queue_pattern`: also the backlog of every RQ queue
     whose name matches it (the supervisor's view of the queues)."""
     pipe = r.pipeline(transaction=False)
+    _ask_names(pipe, keys, queue_pattern)
+    names, queues = _names(pipe.execute(), queue_pattern)
+    pipe = r.pipeline(transaction=False)
+    _ask_records(pipe, keys, names, queues)
+    return _view(names, queues, pipe.execute(), silent_after_s)
+
+
+async def aread_fleet_view(r: aioredis.Redis, keys: Keys, *, queue_pattern: str | None = None,
+                           silent_after_s: float = SILENT_AFTER_S) -> FleetView:
+    """`read_fleet_view` on an asyncio client (a worker's)."""
+    async with r.pipeline(transaction=False) as pipe:
+        _ask_names(pipe, keys, queue_pattern)
+        names, queues = _names(await pipe.execute(), queue_pattern)
+    async with r.pipeline(transaction=False) as pipe:
+        _ask_records(pipe, keys, names, queues)
+        return _view(names, queues, await pipe.execute(), silent_after_s)
+
+
+def _ask_names(pipe: Any, keys: Keys, queue_pattern: str | None) -> None:
     pipe.smembers(keys.workers)
     if queue_pattern is not None:
         pipe.smembers(RQ_QUEUES)
-    raw_names, *raw_queues = pipe.execute()
+
+
+def _names(out: list[Any], queue_pattern: str | None) -> tuple[list[str], list[str]]:
+    raw_names, *raw_queues = out
     names = sorted(n.decode(errors="replace") for n in raw_names)
     queues: list[str] = []
     if queue_pattern is not None:
@@ -253,7 +276,10 @@ def read_fleet_view(r: redis.Redis, keys: Keys, *, queue_pattern: str | None = N
             q = m[len(RQ_QUEUE_PREFIX):]
             if m.startswith(RQ_QUEUE_PREFIX) and valid_queue_name(q) and re.fullmatch(queue_pattern, q):
                 queues.append(q)
-    pipe = r.pipeline(transaction=False)
+    return names, queues
+
+
+def _ask_records(pipe: Any, keys: Keys, names: list[str], queues: list[str]) -> None:
     for name in names:
         pipe.get(keys.status(name))
         pipe.pttl(keys.status(name))
@@ -263,7 +289,9 @@ def read_fleet_view(r: redis.Redis, keys: Keys, *, queue_pattern: str | None = N
     pipe.hget(keys.meta, FINISHED)
     pipe.hget(keys.cancel, "at")
     pipe.time()
-    out = pipe.execute()
+
+
+def _view(names: list[str], queues: list[str], out: list[Any], silent_after_s: float) -> FleetView:
     n = 2 * len(names)
     lengths = out[n:n + len(queues)]
     raw_stats, finished, cancelled, (seconds, micros) = out[n + len(queues):]

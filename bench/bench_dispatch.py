@@ -69,6 +69,7 @@ from producer.api import Store, collect_once, enqueue, export  # noqa: E402
 from worker.dispatcher import Dispatcher  # noqa: E402
 from worker.eventloop import loop_factory  # noqa: E402
 from worker.ledger import Ledger  # noqa: E402
+from worker.steal import ClaimOrder  # noqa: E402
 
 URL_PATH = "/v1/completions"
 
@@ -267,7 +268,7 @@ async def child_ours(redis_url: str, server_url: str, run: str, n: int, concurre
             if transport == "http1" else sglang.SGLangClient(AiohttpPool(server_url, concurrency + 4)))
     steady = Steady(n)
     # the worker's dispatcher, its server's client as the keeper opens it
-    d = Dispatcher(ledger, InstantAnswers(http), config=config, worker="bench", queues=lambda: ["gpu0"],
+    d = Dispatcher(ledger, InstantAnswers(http), config=config, worker="bench", queues=lambda: ClaimOrder(["gpu0"]),
                    clock=time.time, on_completion=steady.tick)
     d.limit.set_capacity(concurrency)  # as the keeper does once its server is up (capacity + surplus)
     await client.ping()
@@ -559,8 +560,8 @@ def paced_once(url: str, workdir: Path, args: argparse.Namespace, step_s: float)
 async def run_dispatcher_inprocess(url: str, config: Config, capacity: int) -> tuple[float, int]:
     client = aioredis.from_url(url)
     ledger = Ledger(client, Keys(config.run), worker="bench", lease_ttl_s=config.lease_ttl_s)
-    d = Dispatcher(ledger, InstantAnswers(), config=config, worker="bench", queues=lambda: ["gpu0"], clock=time.time,
-                   on_completion=lambda tokens: None)
+    d = Dispatcher(ledger, InstantAnswers(), config=config, worker="bench", queues=lambda: ClaimOrder(["gpu0"]),
+                   clock=time.time, on_completion=lambda tokens: None)
     d.limit.set_capacity(capacity)
     d.gate.resume()
     flusher = asyncio.create_task(ledger.run_flusher())

@@ -39,6 +39,7 @@ from fleetrun.redisproc import PrivateRedis
 from producer.api import Store
 from worker.dispatcher import Dispatcher
 from worker.ledger import Ledger
+from worker.steal import ClaimOrder
 
 BIN = Path(sys.executable).parent
 
@@ -47,8 +48,8 @@ async def dispatch(url: str, config: Config, queues: list[str], capacity: int, s
     """Run the dispatcher until the store has a result for every prompt."""
     client = aioredis.from_url(url)
     ledger = Ledger(client, Keys(config.run), worker="bench", lease_ttl_s=config.lease_ttl_s)
-    d = Dispatcher(ledger, InstantAnswers(), config=config, worker="bench", queues=lambda: queues, clock=time.time,
-                   on_completion=lambda tokens: None)
+    d = Dispatcher(ledger, InstantAnswers(), config=config, worker="bench", queues=lambda: ClaimOrder(list(queues)),
+                   clock=time.time, on_completion=lambda tokens: None)
     d.limit.set_capacity(capacity)
     d.gate.resume()
     flusher = asyncio.create_task(ledger.run_flusher())

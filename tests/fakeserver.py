@@ -13,6 +13,7 @@ import orjson
 from batchfleet.config import Config
 from worker.dispatcher import Dispatcher
 from worker.ledger import Ledger
+from worker.steal import ClaimOrder
 
 Answer = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -54,7 +55,7 @@ def dispatcher(ledger: Ledger, server: Any, config: Config, *, queues: tuple[str
                capacity: int | None = None, on_completion: Callable[[int], None] = lambda tokens: None) -> Dispatcher:
     """A dispatcher as the worker's service builds it; with `capacity`, sized as the keeper sizes it once
     its server serves (capacity + the configured surplus), and resumed."""
-    d = Dispatcher(ledger, server, config=config, worker="w", queues=lambda: list(queues), clock=time.time,
+    d = Dispatcher(ledger, server, config=config, worker="w", queues=lambda: ClaimOrder(list(queues)), clock=time.time,
                    on_completion=on_completion)
     if capacity is not None:
         d.limit.set_capacity(capacity, max_in_flight=config.max_in_flight)

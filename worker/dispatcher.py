@@ -53,6 +53,7 @@ from .redislink import LINK
 from .runner import PromptRunner
 from .server_side import Server
 from .slots import InFlightLimit
+from .steal import ClaimOrder
 from .takeback import Takeback
 
 __all__ = ["CLAIM_GATHER_S", "SUSPECT_GROUP_MAX", "Dispatcher", "leaders_first"]
@@ -78,7 +79,7 @@ MIB = 1024 * 1024
 
 class Dispatcher:
     def __init__(self, ledger: Ledger, server: Server, *, config: Config, worker: str,
-                 queues: Callable[[], list[str]], clock: Callable[[], float],
+                 queues: Callable[[], ClaimOrder], clock: Callable[[], float],
                  on_completion: Callable[[int], None]) -> None:
         self.ledger = ledger
         self.server = server
@@ -168,7 +169,8 @@ class Dispatcher:
         """Up to `n` jobs: a prompt that must run alone if one waits, else a group of suspects when none
         runs here (grown into free slots when the queues are dry), then the queues in order."""
         group = 0 if self.board.group else max(1, min(SUSPECT_GROUP_MAX, self.limit.capacity // 2))
-        return await self.ledger.claim(n, self.queues(), suspects=group,
+        order = self.queues()
+        return await self.ledger.claim(n, order.queues, keep=order.keep, suspects=group,
                                        suspects_dry=max(group, self.limit.slots.capacity), take_solo=True)
 
     def _start(self, claim: Claim) -> None:

@@ -39,6 +39,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -70,7 +71,7 @@ FLUSH_GATHER_MAX = 200
 CLAIM = Script("worker", "claim",
                keys=("leases", "suspects", "isolate", Each("queues")),
                argv=("n", "session", "lease_ttl", "started_ttl", "worker", "suspects_n", "suspects_dry", "take_solo",
-                     Each("queue_names")),  # parallel to queues
+                     Each("queue_names", "name", "keep")),  # parallel to queues
                derives=("job_key", "started_key"))
 RENEW = Script("worker", "renew", keys=("leases",), argv=("lease_ttl", "session", Each("jids")))
 FINISH = Script("worker", "finish",
@@ -170,11 +171,12 @@ class Ledger:
                               "isolate": k.isolate}
 
     # --- claim -------------------------------------------------------------------------------------
-    async def claim(self, n: int, queues: list[str], *, suspects: int = 0, suspects_dry: int | None = None,
-                    take_solo: bool = False) -> list[Claim]:
+    async def claim(self, n: int, queues: list[str], *, keep: Mapping[str, int] | None = None, suspects: int = 0,
+                    suspects_dry: int | None = None, take_solo: bool = False) -> list[Claim]:
         """Up to `n` jobs: first (if asked) one prompt that must run alone, which then comes alone;
-        else a group of up to `suspects` suspects (0: none), then the queues in order; slots the queues
-        left empty go to more suspects, up to `suspects_dry` in the group (default `suspects`)."""
+        else a group of up to `suspects` suspects (0: none), then the queues in order (of a queue in
+        `keep`, at most half of what it holds beyond that many); slots the queues left empty go to more
+        suspects, up to `suspects_dry` in the group (default `suspects`)."""
         if (n <= 0 or not queues) and not take_solo:
             return []
         group = max(suspects, 0)
@@ -184,7 +186,8 @@ class Ledger:
                           "queues": [Keys.queue(q) for q in queues]},
             args={"n": max(n, 0), "session": self.session, "lease_ttl": self.lease_ttl_s,
                   "started_ttl": keys.STARTED_REGISTRY_TTL_S, "worker": self.worker, "suspects_n": group,
-                  "suspects_dry": group_dry, "take_solo": int(take_solo), "queue_names": queues})
+                  "suspects_dry": group_dry, "take_solo": int(take_solo),
+                  "queue_names": [x for q in queues for x in (q, (keep or {}).get(q, -1))]})
         now = time.monotonic()
         claims = []
         for i in range(0, len(raw), 5):

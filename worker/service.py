@@ -72,8 +72,8 @@ class GPUService:
         self.meter = ThroughputMeter()
         self.scrub = Scrubber.for_config(config)
         self.events = EventLog(client, self.k, source=worker, clock=self.clock, scrub=self.scrub)
-        self.steal = StealOrder(client, queue=queue, pattern=config.queue_pattern,
-                                period_s=max(0.5, config.lease_ttl_s / 3))
+        self.steal = StealOrder(client, self.k, queue=queue, pattern=config.queue_pattern,
+                                period_s=max(0.5, min(config.lease_ttl_s / 3, config.status_interval_s)))
         self.dispatcher = Dispatcher(self.ledger, self, config=config, worker=worker, queues=self.steal,
                                      clock=self.clock, on_completion=self.meter.note_completion)
         self.spec = SpecFollower(config, client, self.k, worker=worker, queue=queue, gpu=gpu, events=self.events,

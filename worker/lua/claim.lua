@@ -1,6 +1,7 @@
 -- Claim up to `n` jobs: first (take_solo = '1') one prompt that must run alone, which then comes
 -- alone; else a group of up to `suspects` suspects (0: none), then the queues in order (the first is
--- the worker's own; from the others, whole plan units from their tails, see steal_units); if the queues
+-- the worker's own; from the others, whole plan units from their tails, see steal_units; of a queue
+-- whose `keep` is not -1 (another worker serves it), at most half what it holds beyond `keep`); if the queues
 -- left slots empty, the group grows to up to `suspects_dry`. Each claimed job is marked started (RQ's
 -- fields), entered in its origin's started registry and leased, on Redis's clock.
 -- -> flat (jid, origin, data, kind, grp) per claimed job, kind 'normal', 'suspect' or 'solo', grp its plan unit
@@ -57,11 +58,16 @@ local function steal_units(list, room)
 end
 for i = queues_first, queues_last do
   if taken >= want then break end
-  local ids = i > queues_first and steal_units(KEYS[i], want - taken) or nil
-  if ids == nil then ids = redis.call('LPOP', KEYS[i], want - taken) end
-  if ids then
-    for _, jid in ipairs(ids) do
-      if take(jid, ARGV[queue_names_first + i - queues_first], 'normal') then taken = taken + 1 end
+  local at = queue_names_first + 2 * (i - queues_first)  -- its name, then how many to leave its worker
+  local room, keep = want - taken, tonumber(ARGV[at + 1])
+  if keep >= 0 then room = math.min(room, math.ceil((redis.call('LLEN', KEYS[i]) - keep) / 2)) end
+  if room > 0 then
+    local ids = i > queues_first and steal_units(KEYS[i], room) or nil
+    if ids == nil then ids = redis.call('LPOP', KEYS[i], room) end
+    if ids then
+      for _, jid in ipairs(ids) do
+        if take(jid, ARGV[at], 'normal') then taken = taken + 1 end
+      end
     end
   end
 end

@@ -87,8 +87,8 @@ def test_a_thief_leaves_a_serving_worker_one_load_and_takes_half_of_the_rest_a_c
     publish(r, "g1", "serving", slots=4)
     order = order_of(redis_url)
     assert order.keep == {"g1": 4}
-    assert [len(claim(redis_url, 10, order)) for _ in range(4)] == [3, 1, 1, 0]  # half the rest, rounded up  # 4 left: what its worker starts at once
-    assert r.llen(Keys.queue("g1")) == 4
+    assert [len(claim(redis_url, 10, order)) for _ in range(4)] == [3, 1, 1, 0]  # half the rest, rounded up
+    assert r.llen(Keys.queue("g1")) == 4  # what its worker starts at once
 
 
 @pytest.mark.slow

@@ -37,7 +37,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_prefix import exactly_once  # noqa: E402
 from fleetrun.redisproc import PrivateRedis  # noqa: E402
 from tests.fleet import Fleet  # noqa: E402
 
@@ -98,16 +98,6 @@ def env_for(args: argparse.Namespace, lora: str | None) -> dict[str, str]:
         env["BATCHFLEET_LORA_PATHS"] = lora
         env["BATCHFLEET_MAX_LORAS_PER_BATCH"] = str(args.slots)
     return env
-
-
-def exactly_once(fleet: Fleet, ids: list[str]) -> tuple[int, int]:
-    """(lost, duplicated): custom_ids without exactly one succeeded line in the run's export."""
-    out = fleet.tmp / "results.jsonl"
-    fleet.producer("export", str(out), timeout_s=600)
-    lines = [orjson.loads(x) for x in out.read_bytes().splitlines()]
-    seen = Counter(x["custom_id"] for x in lines)
-    ok = {x["custom_id"] for x in lines if x["error"] is None and x["response"]["status_code"] == 200}
-    return sum(1 for i in ids if i not in ok), sum(c - 1 for c in seen.values() if c > 1)
 
 
 def run_one(feed: str, rows: list[dict[str, Any]], tmp: Path, args: argparse.Namespace) -> dict[str, Any]:

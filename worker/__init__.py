@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -217,6 +218,24 @@ class GPUWorker(BaseWorker):
             return await self._service.run(burst=burst)
         finally:
             await client.aclose()
+
+    UNSUBSCRIBE_WAIT_S = 3.0
+
+    def unsubscribe(self) -> None:
+        """RQ's `unsubscribe`, bounded: the worker exits within seconds whatever redis-py does.
+
+        RQ unsubscribes, then calls the pubsub thread's `stop()`. Since redis-py 8.2 `stop()` joins the
+        thread with no timeout, and the thread, having read the unsubscribe reply, may be waiting up to
+        RQ's `sleep_time` (60 s) for a subscription that will not come: a SIGTERMed worker then hung
+        a minute after "stopped" (every test that stops workers saw it). The thread is a daemon and the
+        process is exiting, so RQ's steps run on a helper thread and are given `UNSUBSCRIBE_WAIT_S`."""
+        if getattr(self, "pubsub_thread", None) is None:
+            return
+        helper = threading.Thread(target=super().unsubscribe, name="rq-unsubscribe", daemon=True)
+        helper.start()
+        helper.join(self.UNSUBSCRIBE_WAIT_S)
+        if helper.is_alive():
+            log.debug("RQ's pubsub thread did not stop within %.0f s; exiting without it", self.UNSUBSCRIBE_WAIT_S)
 
     def _pubsub_exception_handler(self, exc: Exception, pubsub: Any, pubsub_thread: Any) -> None:
         """RQ's pubsub thread (its commands, e.g. `shutdown`) lives through any Redis outage, quietly.

@@ -55,6 +55,10 @@ class InstantAnswers:
     async def probe(self) -> bool:
         return True
 
+    @property
+    def is_generation(self) -> bool:
+        return True  # a chat server: the dispatcher sends it chat and completion lines
+
     async def complete(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         return REPLY
 

@@ -205,9 +205,11 @@ def gone(pid: int, timeout_s: float = 10) -> bool:
     return True
 
 
-def write_prompts(path: Path, n: int, *, max_tokens: int = 48, start: int = 0) -> list[dict[str, Any]]:
-    """n prompts in the simple form, alternating completion and chat."""
-    rows = []
+def write_prompts(path: Path, n: int, *, max_tokens: int = 48, start: int = 0,
+                  ignore_eos: bool = False) -> list[dict[str, Any]]:
+    """n prompts in the simple form, alternating completion and chat. `ignore_eos`: each runs all its
+    `max_tokens` (the simulator's end of sequence ends some after a few tokens)."""
+    rows: list[dict[str, Any]] = []
     for i in range(start, start + n):
         if i % 2:
             rows.append({"id": f"p{i}", "messages": [{"role": "user", "content": f"Tell me about item {i}"}],
@@ -215,6 +217,8 @@ def write_prompts(path: Path, n: int, *, max_tokens: int = 48, start: int = 0) -
         else:
             rows.append({"id": f"p{i}", "prompt": f"Describe the number {i} in detail", "max_tokens": max_tokens,
                          "temperature": 0.5})
+        if ignore_eos:
+            rows[-1]["ignore_eos"] = True
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     return rows
 

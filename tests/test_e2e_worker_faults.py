@@ -157,8 +157,7 @@ def test_prompts_struck_by_server_kills_run_in_groups_not_one_at_a_time_and_none
                    env={"SGLANG_SIM_TIME_SCALE": "0.5", "BATCHFLEET_SURPLUS": "12"})
     # every generation runs its 200 tokens (no early end of sequence): none can finish before both
     # workers have claimed, however unevenly a loaded box starts them
-    rows = [{**row, "ignore_eos": True} for row in write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=200)]
-    (tmp_path / "prompts.jsonl").write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    rows = write_prompts(tmp_path / "prompts.jsonl", n, max_tokens=200, ignore_eos=True)
     fleet.producer("enqueue", "prompts.jsonl", "--queues", fleet.queues)
     for g in range(2):
         fleet.start_worker(g)

@@ -186,8 +186,7 @@ def test_the_first_claim_fills_the_capacity_plus_the_initial_surplus(fleets, tmp
     fleet = fleets(gpus=1, env={"SGLANG_SIM_TIME_SCALE": "1"})
     # every generation runs its 256 tokens (no early end of sequence: some would end after 17), so none
     # finishes, and none is claimed in its place, while the checks below read the first claim
-    rows = [{**row, "ignore_eos": True} for row in write_prompts(tmp_path / "p.jsonl", 60, max_tokens=256)]
-    (tmp_path / "p.jsonl").write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    write_prompts(tmp_path / "p.jsonl", 60, max_tokens=256, ignore_eos=True)
     fleet.producer("enqueue", "p.jsonl", "--queues", fleet.queues)
     fleet.start_worker(0)
     fleet.wait_for(lambda: any(s.in_flight for s in fleet.statuses()), 60, "the worker's first claim")

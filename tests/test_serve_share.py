@@ -18,6 +18,7 @@ from typing import Any
 import openai
 import orjson
 import pytest
+import redis
 
 from .serveproc import Serve, batch_lines, write_lines
 from .test_serve_e2e import check_output, gpu_serve, lines_of, records, served, wait_batch
@@ -133,6 +134,7 @@ def test_a_high_request_runs_before_those_waiting_inside_its_server(tmp_path: Pa
     server's next free slot, ahead of the normal requests that reached that server before it (never
     preempting one that runs): the simulator admits it before them (in arrival order it would be after)."""
     from batchfleet.jobs import job_id_for
+    from batchfleet.keys import Keys
 
     sv = gpu_serve(tmp_path, redis_url, "--tenants", str(tenants(tmp_path)), SGLANG_SIM_TIME_SCALE="4",
                    BATCHFLEET_MAX_RUNNING_REQUESTS="8", BATCHFLEET_SURPLUS="8", SGLANG_SIM_RECORD_REQUESTS="1").start()
@@ -141,10 +143,17 @@ def test_a_high_request_runs_before_those_waiting_inside_its_server(tmp_path: Pa
     for i, line in enumerate(lines):  # lengths spread: the slots free one at a time, not all at each 48th step
         line["body"]["max_tokens"] = 32 + (i * 13) % 33
     normal = submit(heavy, tmp_path / "n.jsonl", lines)
+    # Past the feed's first passes: before the head has measured the queues' drain it keeps 2 x capacity
+    # (16) in each, which fast simulated servers empty before its next pass, and their queues run dry for a
+    # moment. Once more than that waits in Redis behind 6 waiting inside each server, the servers stay full
+    # while the high batch is uploaded and fed.
+    r = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + 120
-    while not (len(recs := records(tmp_path)) == 2 and all(r["queued"] >= 6 for r in recs)):
-        assert time.monotonic() < deadline, [r.get("queued") for r in recs]
-        time.sleep(0.1)
+    while not (len(recs := records(tmp_path)) == 2 and all(rec["queued"] >= 6 for rec in recs)
+               and all(r.llen(Keys.queue(f"{sv.run}.gpu{g}")) > 16 for g in (0, 1))):
+        assert time.monotonic() < deadline, [rec.get("queued") for rec in recs]
+        time.sleep(0.05)
+    r.close()
     urgent = submit(heavy, tmp_path / "hi.jsonl", batch_lines(4, prefix="hi-", max_tokens=48), priority="high")
     wait_batch(heavy, urgent, {"completed"}, timeout_s=120)
     wait_batch(heavy, normal, {"completed"}, timeout_s=240)

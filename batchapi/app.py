@@ -59,6 +59,7 @@ MB = 1_000_000
 CHUNK = 1 << 20
 MAX_HELD = 16 << 20  # an upload's bytes held in memory while its thread writes the ones before
 MAX_METADATA = 16  # pairs; keys up to 64 characters, values up to 512 (OpenAI's limits)
+OWNER = web.RequestKey("owner", str)  # the hash of the request's API key (set by the auth middleware)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -121,7 +122,7 @@ class Api:
             if owner is None:
                 return error(401, "Incorrect API key provided (give it as `Authorization: Bearer KEY`).",
                              code="invalid_api_key")
-            request["owner"] = owner
+            request[OWNER] = owner
         try:
             return await handler(request)
         except web.HTTPException as exc:  # the router's 404 and 405, our 400s: in OpenAI's shape
@@ -148,7 +149,7 @@ class Api:
                     size = await self._receive(part, upload)  # type: ignore[arg-type]
                     if size is None:
                         return self._too_big()
-                    rec = FileRecord(id=fid, owner=request["owner"], filename=part.filename or "upload.jsonl",
+                    rec = FileRecord(id=fid, owner=request[OWNER], filename=part.filename or "upload.jsonl",
                                      bytes=size, purpose="", created_at=int(time.time()))
             if rec is None or upload is None:
                 return error(400, "the upload has no `file` field", param="file")
@@ -197,23 +198,23 @@ class Api:
         order = request.query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise web.HTTPBadRequest(reason="order must be asc or desc")
-        files = self.registry.list_files(request["owner"], purpose=request.query.get("purpose"), order=order)
+        files = self.registry.list_files(request[OWNER], purpose=request.query.get("purpose"), order=order)
         return _json(_page(files, request.query.get("after"), _int(request, "limit", 10_000, 1, 10_000)))
 
     async def get_file(self, request: web.Request) -> web.Response:
         fid = request.match_info["file_id"]
-        rec = self.registry.file(fid, request["owner"])
+        rec = self.registry.file(fid, request[OWNER])
         return _not_found("File", fid) if rec is None else _json(rec.to_api())
 
     async def file_content(self, request: web.Request) -> web.StreamResponse:
         fid = request.match_info["file_id"]
-        if self.registry.file(fid, request["owner"]) is None:
+        if self.registry.file(fid, request[OWNER]) is None:
             return _not_found("File", fid)
         return web.FileResponse(self.registry.file_path(fid), headers={"Content-Type": "application/octet-stream"})
 
     async def delete_file(self, request: web.Request) -> web.Response:
         fid = request.match_info["file_id"]
-        if self.registry.file(fid, request["owner"]) is None:
+        if self.registry.file(fid, request[OWNER]) is None:
             return _not_found("File", fid)
         await asyncio.to_thread(self.registry.delete_file, fid)
         return _json({"id": fid, "object": "file", "deleted": True})
@@ -243,13 +244,13 @@ class Api:
         if priority not in PRIORITY_NAMES:
             return error(400, f"metadata.priority {priority[:32]!r}: one of {', '.join(PRIORITY_NAMES)} (batchfleet's "
                               "extension; absent: normal)", param="metadata", code="invalid_value")
-        tenant = self.keys.tenant_of(request["owner"])
+        tenant = self.keys.tenant_of(request[OWNER])
         if priority not in tenant.priorities:
             return error(400, f"metadata.priority {priority!r}: tenant {tenant.name} may submit "
                               f"{' and '.join(p for p in PRIORITY_NAMES if p in tenant.priorities)} batches only "
                               "(the tenants file says which priorities each tenant may use)",
                          param="metadata", code="invalid_value")
-        f = self.registry.file(fid, request["owner"])
+        f = self.registry.file(fid, request[OWNER])
         if f is None:
             return error(400, f"No such File object: {fid}", param="input_file_id", code="invalid_value")
         if f.purpose != BATCH_PURPOSE:
@@ -267,7 +268,7 @@ class Api:
             if refused:
                 return error(400, refused[1], param="input_file_id", code=refused[0])
             now = int(time.time())
-            rec = BatchRecord(id=new_batch_id(), owner=request["owner"], input_file_id=fid, endpoint=endpoint,
+            rec = BatchRecord(id=new_batch_id(), owner=request[OWNER], input_file_id=fid, endpoint=endpoint,
                               completion_window=window, created_at=now, expires_at=now + int(self.limits.window_s),
                               metadata=metadata or None, tenant=tenant.name)
             await asyncio.to_thread(self.registry.put_batch, rec)
@@ -290,17 +291,17 @@ class Api:
         return rec
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        batches = self.registry.list_batches(request["owner"])
+        batches = self.registry.list_batches(request[OWNER])
         return _json(_page(batches, request.query.get("after"), _int(request, "limit", 20, 1, 100)))
 
     async def get_batch(self, request: web.Request) -> web.Response:
         bid = request.match_info["batch_id"]
-        rec = self.registry.batch(bid, request["owner"])
+        rec = self.registry.batch(bid, request[OWNER])
         return _not_found("Batch", bid) if rec is None else _json(rec.to_api())
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
         bid = request.match_info["batch_id"]
-        if self.registry.batch(bid, request["owner"]) is None:
+        if self.registry.batch(bid, request[OWNER]) is None:
             return _not_found("Batch", bid)
         now = int(time.time())
 
@@ -318,7 +319,7 @@ class Api:
     # --- the fleet: tenants and their shares ------------------------------------------------------------
     async def fleet(self, request: web.Request) -> web.Response:
         book = self.tenancy.book
-        mine = [b.to_api() for b in book.batches.values() if b.owner == request["owner"]]
+        mine = [b.to_api() for b in book.batches.values() if b.owner == request[OWNER]]
         return _json({"object": "fleet", "tenants": [t.to_api() for t in book.tenants], "batches": mine})
 
     async def metrics(self, _request: web.Request) -> web.Response:

@@ -100,7 +100,9 @@ def test_the_openai_client_runs_two_batches_on_two_simulated_gpus_and_gets_every
         assert b.usage is not None and b.usage.output_tokens == sum(
             x["response"]["body"]["usage"]["completion_tokens"] for x in out) > 0
         assert b.usage.total_tokens == b.usage.input_tokens + b.usage.output_tokens
-    assert done1.metadata == {"part": "chat"} and done1.completed_at <= done2.completed_at  # type: ignore[operator]
+    # validated into the store in creation order; both run at once (the window holds both), so the second,
+    # with shorter answers, may end first: completion order is not promised
+    assert done1.metadata == {"part": "chat"} and done1.in_progress_at <= done2.in_progress_at  # type: ignore[operator]
     assert served(tmp_path) == 70  # every request reached a server exactly once
     out_file = client.files.retrieve(done1.output_file_id)  # type: ignore[arg-type]
     assert (out_file.purpose, out_file.filename) == ("batch_output", f"{done1.id}_output.jsonl")

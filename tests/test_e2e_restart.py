@@ -58,7 +58,12 @@ def test_a_worker_with_an_empty_queue_takes_from_the_others(tmp_path, redis_url)
     fleet.start_worker(1)
     fleet.wait_for(lambda: fleet.finished() >= 300, 120, "all prompts")
     fleet.stop_all()
-    served = [sum(fleet.sim_record(g)["requests_by_endpoint"].values()) for g in (0, 1)]
-    assert sum(served) == 300
-    assert served[1] >= 60, f"GPU 1 idled while GPU 0 had a backlog: {served}"
+    recs = [fleet.sim_record(g) for g in (0, 1)]
+    served = [sum(rec["requests_by_endpoint"].values()) for rec in recs]
+    assert sum(served) == 300 and served[1] > 0
+    # GPU 1 kept taking while it was up: its requests per second from its first admission to its last finish
+    # are at least half GPU 0's (its server may start seconds later on a loaded machine: a count would say
+    # how late, not whether it idled; one that stops taking, or takes once and waits, falls far below)
+    rate = [n / (rec["last_finish_wall"] - rec["first_admit_wall"]) for n, rec in zip(served, recs, strict=True)]
+    assert rate[1] >= 0.5 * rate[0], f"GPU 1 idled while GPU 0 had a backlog: {served} requests, {rate} per second"
     assert fleet.stats().get(f"succeeded:{fleet.queue(0)}") == 300  # accounted to the queue they came from

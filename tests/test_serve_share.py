@@ -147,13 +147,12 @@ def test_a_high_request_runs_before_those_waiting_inside_its_server(tmp_path: Pa
     # (16) in each, which fast simulated servers empty before its next pass, and their queues run dry for a
     # moment. Once more than that waits in Redis behind 6 waiting inside each server, the servers stay full
     # while the high batch is uploaded and fed.
-    r = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + 120
-    while not (len(recs := records(tmp_path)) == 2 and all(rec["queued"] >= 6 for rec in recs)
-               and all(r.llen(Keys.queue(f"{sv.run}.gpu{g}")) > 16 for g in (0, 1))):
-        assert time.monotonic() < deadline, [rec.get("queued") for rec in recs]
-        time.sleep(0.05)
-    r.close()
+    with redis.Redis.from_url(redis_url) as r:
+        while not (len(recs := records(tmp_path)) == 2 and all(rec["queued"] >= 6 for rec in recs)
+                   and all(r.llen(Keys.queue(f"{sv.run}.gpu{g}")) > 16 for g in (0, 1))):
+            assert time.monotonic() < deadline, [rec.get("queued") for rec in recs]
+            time.sleep(0.05)
     urgent = submit(heavy, tmp_path / "hi.jsonl", batch_lines(4, prefix="hi-", max_tokens=48), priority="high")
     wait_batch(heavy, urgent, {"completed"}, timeout_s=120)
     wait_batch(heavy, normal, {"completed"}, timeout_s=240)

@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS prompts (
     fp BLOB,
     pk BLOB
 );
-CREATE INDEX IF NOT EXISTS prompts_waiting ON prompts(cost DESC, seq) WHERE state = 0;
+CREATE INDEX IF NOT EXISTS prompts_waiting ON prompts(cost DESC, seq, pk, file, state) WHERE state = 0;
 CREATE INDEX IF NOT EXISTS prompts_fed ON prompts(seq) WHERE state = 1;
 CREATE TABLE IF NOT EXISTS results (
     seq INTEGER PRIMARY KEY, ok INTEGER NOT NULL, line BLOB NOT NULL, finished_at REAL NOT NULL

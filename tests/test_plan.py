@@ -249,3 +249,23 @@ def test_a_store_whose_prompts_have_no_key_feeds_in_its_own_order_without_a_sort
         s.plan.stale()
         assert s.plan.rebuild() == 3
     assert [r.cid for r in s.next_to_feed(10)] == ["c9", "c2", "c0"]
+
+
+def test_the_sorted_pass_reads_the_waiting_index_alone_never_the_prompts_rows(tmp_path: Path) -> None:
+    """The plan's sorted pass over 10M waiting prompts must not read their bodies (~700 B each): the
+    waiting index holds the key, the input and the cost, in a store fed by cost and in one fed by input."""
+    lines = [(d, q) for d in range(3) for q in range(4)]
+    s = store_with(tmp_path, [chat(DOCS[d], f"q{q}") for d, q in lines])
+    for by_input in (False, True):
+        traced: list[str] = []
+        with s.write():
+            if by_input:
+                s.order_feed_by_input()  # builds the plan again, from the other index
+            s.db.set_trace_callback(traced.append)
+            assert s.plan.rebuild() == 12
+            s.db.set_trace_callback(None)
+        passes = [q for q in traced if q.startswith("INSERT INTO plan")]
+        assert len(passes) == 1, traced
+        steps = str(s.db.execute("EXPLAIN QUERY PLAN " + passes[0]).fetchall())
+        index = "prompts_waiting_input" if by_input else "prompts_waiting"
+        assert f"SCAN prompts USING COVERING INDEX {index}" in steps, steps

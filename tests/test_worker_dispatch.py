@@ -402,3 +402,49 @@ def test_a_resume_while_a_drain_is_under_way_claims_nothing_until_the_drain_is_o
     during, started, handed, d = asyncio.run(asyncio.wait_for(go(), 60))
     assert during == [] and started == ["p0", "p1"]
     assert handed == 0 and d.tally.done >= 2
+
+
+def test_a_drain_hands_back_prompts_whose_tasks_it_cancelled_before_they_ran(r, redis_url):
+    """A claim comes back just as a drain begins (a respec, a stop): the drain's surplus hand back picks
+    the newest prompts, whose tasks have not run a step yet. A task cancelled before its first step never
+    runs its coroutine, so its own hand back and slot release never ran: the lease stayed held and was
+    renewed forever (the run never finished: seen in bench_prefix, 1 prompt of 10,000 "in flight" for
+    12 minutes on a worker with nothing in flight) and the slot was lost. Every claimed prompt must go
+    back to its queue, no lease left, every slot free."""
+    jids = enqueue(r, 5)
+    k = Keys("t")
+
+    class Forever:
+        async def __call__(self, body: dict) -> dict:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+    async def go():
+        client = aioredis.from_url(redis_url)
+        ledger = Ledger(client, k, worker="w", lease_ttl_s=15)
+        d = dispatcher(ledger, FakeServer(Forever()), Config(run="t", surplus=2), capacity=3)
+        real = ledger.claim
+        draining: list[asyncio.Task] = []
+
+        async def claim_as_a_drain_begins(*args, **kwargs):
+            got = await real(*args, **kwargs)
+            if got and not draining:  # the drain's first step runs before the tasks of these claims
+                draining.append(asyncio.ensure_future(d.takeback.drain(0.2)))
+            return got
+
+        ledger.claim = claim_as_a_drain_begins  # type: ignore[method-assign]
+        claiming = asyncio.create_task(d.run())
+        while not draining:
+            await asyncio.sleep(0.01)
+        handed = await asyncio.wait_for(draining[0], 30)
+        claiming.cancel()
+        await asyncio.gather(claiming, return_exceptions=True)
+        free = d.limit.slots.free
+        await client.aclose()
+        return d, handed, free
+
+    d, handed, free = asyncio.run(go())
+    assert sorted(x.decode() for x in r.lrange("rq:queue:gpu0", 0, -1)) == sorted(jids)  # all 5 back, once
+    assert r.zcard(k.leases) == 0  # no lease left to renew
+    assert handed == 5 and d.tally.handed_back == 5
+    assert free == 5 and not d.board.tasks

@@ -183,7 +183,14 @@ class Dispatcher:
                         "finish", claim.jid, MAX_STRIKES - 1, len(self.board) - 1)
 
     def _reap(self, task: asyncio.Task[None]) -> None:
+        flight = self.board.tasks.get(task)
         self.board.remove(task)
+        if flight is not None:
+            if flight.holds_slot:  # its `finally` never ran: cancelled before its first step
+                flight.holds_slot = False
+                self.limit.slots.release()
+            if flight.state.held_by_task:  # ended, and nobody ended its prompt
+                self.takeback.orphaned(flight)
         if not task.cancelled() and task.exception() is not None:
             log.error("job task crashed", exc_info=task.exception())
 

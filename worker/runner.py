@@ -132,6 +132,7 @@ class PromptRunner:
             raise
         finally:
             if flight.holds_slot:
+                flight.holds_slot = False
                 self.slots.release()
 
     async def _again(self, flight: Flight, earlier: FlightState, exc: RetryableError) -> bool:

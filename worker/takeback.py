@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -49,9 +49,23 @@ class Takeback:
     tally: Tally
     server: Server
 
+    # hand backs of prompts whose task ended without ending them (`orphaned`), until written
+    _orphans: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+
     async def collect(self, tasks: Iterable[asyncio.Task[None]]) -> None:
         """Cancel these prompts' tasks and wait until each has ended, its hand back (if any) written."""
         await cancel_and_wait(tasks, finishing=self.board.settled)
+        if self._orphans:  # tasks cancelled before their first step: their hand backs are written here
+            await asyncio.wait(set(self._orphans))
+
+    def orphaned(self, flight: Flight) -> None:
+        """Its task ended and nobody ended the prompt: a task cancelled before its first step never runs
+        its coroutine (so neither its own hand back nor its slot's release), or it crashed. Hand it
+        back now: its lease would otherwise be renewed for as long as the worker lives, for a prompt
+        nobody runs."""
+        task = asyncio.ensure_future(self.outcomes.hand_back(flight))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
 
     # --- the server died ----------------------------------------------------------------------------
     async def server_lost(self, *, reason: str, log_tail: str) -> DeathOutcome:

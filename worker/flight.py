@@ -11,7 +11,8 @@ state says where its request is and who ends it:
     OUTSIDE, INSIDE ──lost──▶ LOST                                 (dropped silently)
     any ──settled──▶ SETTLED
 
-Its task holds it while it is OUTSIDE or INSIDE (a cancel hands it back); `Takeback.server_lost`
+Its task holds it while it is OUTSIDE or INSIDE (a cancel hands it back; a task cancelled before its
+first step never runs, and the dispatcher's reaper hands its prompt back and frees its slot); `Takeback.server_lost`
 takes it over (COLLECTED...: struck if inside, else handed back); a lapsed lease or a cancelled run
 drops it (LOST); its outcome, or its hand back, ends it (SETTLED). Each transition is a method; one
 that does not apply keeps the state.

@@ -79,6 +79,7 @@ _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 FEED_ORDER = "feed_order"  # meta key: "input" feeds older inputs first (see `order_feed_by_input`)
 PLAN, PLAN_STALE, PLAN_CURSOR, PLAN_KEYLESS = "plan", "plan_stale", "plan_cursor", "plan_keyless"  # `Plan`'s meta
 SETTLED_S = 2.0  # no prompt became WAITING for this long: a stale plan is rebuilt
+# `prompts_waiting`'s twin (storefile.py): covering for the plan's sorted pass too
 _WAITING_BY_INPUT = ("CREATE INDEX IF NOT EXISTS prompts_waiting_input ON prompts(file, cost DESC, seq, pk, state) "
                      "WHERE state = 0")
 _PLAN_BY_INPUT = "CREATE INDEX IF NOT EXISTS plan_file ON plan(file, pos)"  # `Plan.next(file=)`

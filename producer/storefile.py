@@ -28,6 +28,9 @@ SCHEMA_VERSION = "4"  # 3: request fingerprints, reruns, input files' paths and 
 PAGE_SIZE = 16384
 READABLE = ("2", "3", SCHEMA_VERSION)  # layouts read as they are where they cannot be migrated (read-only)
 
+# `prompts_waiting` is ordered by (cost DESC, seq), the feed's order; it also holds pk and file (and state, so
+# SQLite takes it as covering) for the plan's sorted pass, which then never reads the prompts' bodies
+# (store.py's `_WAITING_BY_INPUT` is its twin for a store fed by input; docs/store.md).
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS files (

@@ -172,7 +172,11 @@ def enqueue(config: Config, r: redis.Redis, path: str | Path, *, queues: tuple[s
                              progress=progress, rerun_changed=rerun_changed, take_failed=take_failed,
                              adapters=frozenset(config.lora_adapters),
                              generates=read_fleet_view(r, keys).is_generation)
-            fed = feed_pass(config, r, loc.store, marker.queues)
+            loc.store.plan.beside = False  # a large store's plan is the head's: this feed pass goes by expected work
+            try:
+                fed = feed_pass(config, r, loc.store, marker.queues)
+            finally:
+                loc.store.plan.beside = True  # `batchfleet run` goes on feeding from this store
             with loc.store.read():
                 waiting = loc.store.counts()["waiting"]
         except BaseException:

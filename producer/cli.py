@@ -216,6 +216,7 @@ def _run(args: argparse.Namespace, config: Config, r: redis.Redis) -> int:
                     print("recover: the store's counts had drifted from its rows; recounted", file=sys.stderr)
             s = recover(r, loc.store, keys)
             marker = ensure_marker(r, config, loc.store)
+            loc.store.plan.beside = False  # its one feed pass: a large store's plan is the head's
             fed = feed_pass(config, r, loc.store, marker.queues)
             print(f"recover: requeued {s.requeued:,} prompt(s) ({s.lost:,} that were nowhere in Redis, {s.foreign:,} "
                   f"failed by a non-batchfleet worker); {s.in_redis:,} fed prompt(s) are fine where they are; "

@@ -21,7 +21,8 @@ its memory. The whole job is in the store before it runs, so the head can order 
   prompt ran the same adapter first. Each server then runs a few adapters in turn, not all at once.
 - **The order** (`Store.plan`): the waiting prompts sorted by (adapter group: the base model's first,
   longest expected work of the key's family first, key, input order), built once after an enqueue in
-  one sorted pass of SQLite's (bounded memory).
+  one sorted pass of SQLite's (bounded memory): inside the feed's transaction for a small store, beside
+  the head's loop for a large one (`planbuild.Build`: the feed goes on meanwhile).
 - **Units and their servers** (`Dealer`, at feed time): consecutive prompts whose common prefix is at
   least `SHARED_MIN` bytes form a unit (at most `unit_max` prompts); a unit goes whole to one queue:
   of the queues with room, the one whose last prompt shares the longest prefix with it (a template

@@ -53,6 +53,7 @@ from batchfleet.records import ENDPOINTS
 
 from .fingerprint import FileFingerprint, canonical, canonical_request, fingerprint
 from .plan import GROUP_BYTES, PlanRow, adapter_group
+from .planbuild import BUILD_TABLES, Build
 from .storefile import READABLE, SCHEMA_VERSION, connect, create, migrate
 
 __all__ = [
@@ -79,6 +80,7 @@ _CHUNK = 900  # host parameters per IN (...) query; well under SQLite's limit
 FEED_ORDER = "feed_order"  # meta key: "input" feeds older inputs first (see `order_feed_by_input`)
 PLAN, PLAN_STALE, PLAN_CURSOR, PLAN_KEYLESS = "plan", "plan_stale", "plan_cursor", "plan_keyless"  # `Plan`'s meta
 SETTLED_S = 2.0  # no prompt became WAITING for this long: a stale plan is rebuilt
+BACKGROUND_FROM = 100_000  # waiting prompts from which the plan's sorted pass runs beside the feed (planbuild.py)
 # `prompts_waiting`'s twin (storefile.py): covering for the plan's sorted pass too
 _WAITING_BY_INPUT = ("CREATE INDEX IF NOT EXISTS prompts_waiting_input ON prompts(file, cost DESC, seq, pk, state) "
                      "WHERE state = 0")
@@ -306,6 +308,7 @@ class Store(StoreReads):
             raise StoreError(f"{self.path} is the store of run {self.run!r}, not {run!r}")
 
     def close(self) -> None:
+        self.plan.cancel(wait=True)
         self.db.close()
 
     # --- transactions -------------------------------------------------------------------------------
@@ -427,7 +430,8 @@ class Store(StoreReads):
         `batchfleet serve` asks of its store: its batches share the fleet in creation order. The
         index of the other order goes: every insert would pay for both."""
         self.db.execute(_WAITING_BY_INPUT)
-        self.db.execute(_PLAN_BY_INPUT)
+        if self.db.execute("SELECT 1 FROM pragma_index_list('plan')").fetchone() is None:  # a pass's own, or none
+            self.db.execute(_PLAN_BY_INPUT)
         self.db.execute(_FAILED_RESULTS)
         self.db.execute("DROP INDEX IF EXISTS prompts_waiting")
         self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, 'input')", (FEED_ORDER,))
@@ -440,7 +444,7 @@ class Store(StoreReads):
         input: the oldest input's first, longest first within it)."""
         if self.plan.on:
             planned = self.plan.next(limit, file=file)
-            if planned is not None:
+            if planned:  # empty: none left in the plan (a newer one may be on its way): by expected work
                 return planned
         if file is not None:
             rows = self.db.execute("SELECT seq, cid, ep, body, fp, cost FROM prompts WHERE state = 0 AND file = ? "
@@ -550,17 +554,28 @@ class Store(StoreReads):
 
 class Plan:
     """The store's feed order (producer/plan.py): the `plan` table holds the waiting prompts' seqs in
-    the order they are fed (its `pos`), built in one sorted pass by SQLite (`rebuild`) whenever prompts
-    became WAITING since (`stale`: an enqueue, a rerun, a refeed), and read on from a cursor
-    (`advance`). `batchfleet run --no-plan` (meta `plan` = off) feeds by expected work alone."""
+    the order they are fed (its `pos`), built in one sorted pass by SQLite whenever prompts became
+    WAITING since (`stale`: an enqueue, a rerun, a refeed), and read on from a cursor (`advance`). The
+    pass runs inside the feed's transaction for fewer than BACKGROUND_FROM waiting prompts (`rebuild`),
+    else beside the feed (`planbuild.Build`), which meanwhile goes on from the plan it has, or by
+    expected work. `batchfleet run --no-plan` (meta `plan` = off) feeds by expected work alone."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.db = store.db
+        self._build: Build | None = None  # a sorted pass beside the feed, not installed yet
+        # passes beside the feed are started here (a process that feeds once, `producer enqueue`, says
+        # no: a large store then feeds by expected work, and the head plans it)
+        self.beside = True
 
     @property
     def on(self) -> bool:
         return self.store.schema == SCHEMA_VERSION and self.store.get_meta(PLAN) != "off"
+
+    @property
+    def building(self) -> Build | None:
+        """The sorted pass running beside the feed, until it is installed."""
+        return self._build
 
     def turn(self, on: bool) -> None:
         """Feed by the plan or not, from now on (inside write())."""
@@ -569,56 +584,115 @@ class Plan:
             self.rebuild()
 
     def stale(self) -> None:
-        """Prompts became WAITING that the plan does not order (now)."""
+        """Prompts became WAITING that the plan does not order (now). The mark only grows: a build
+        compares it with what its snapshot read (`_install`)."""
         if self.store.schema == SCHEMA_VERSION:
-            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (PLAN_STALE, repr(time.time())))
+            now = max(time.time(), float(self.store.get_meta(PLAN_STALE) or 0) + 1e-6)
+            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (PLAN_STALE, repr(now)))
+
+    def _select(self) -> tuple[str, str, bool]:
+        """The plan's order as (the SELECT of the waiting prompts' (seq, file) in it, the query finding a
+        waiting prompt with a key, by input?): by LoRA adapter (the base model's first), longest
+        expected work first (a family of prompts with one key at its longest's place), then by plan key
+        (prompts that share a prefix side by side), then input order; a store ordered by input keeps its
+        inputs in order first (each input's prompts side by side: read on per input, `next(file=)`)."""
+        by_input = self.store.get_meta(FEED_ORDER) == "input"
+        # a LoRA adapter's prompts together (producer/plan.py: its group starts a key of odd length)
+        group = f"CASE WHEN length(pk) % 2 THEN substr(pk, 1, {GROUP_BYTES}) END"
+        # longest expected work first per family (prompts of one key: a document's questions), so a
+        # family asking for several lengths is not cut into bands; a prompt without a key is its own
+        family = "CASE WHEN length(pk) > 0 THEN MAX(cost) OVER (PARTITION BY pk) ELSE cost END"
+        order = f"{'file, ' if by_input else ''}{group}, {family} DESC, pk, seq"
+        return (f"SELECT seq, file FROM prompts WHERE state = 0 ORDER BY {order}",
+                "SELECT 1 FROM prompts WHERE state = 0 AND length(pk) > 0 LIMIT 1", by_input)
 
     def rebuild(self) -> int:
-        """Order the waiting prompts anew: by LoRA adapter (the base model's first), longest expected
-        work first (a family of prompts with one key at its longest's place), then by plan key (prompts
-        that share a prefix side by side), then input order; a store ordered by input keeps its inputs
-        in order first (each input's prompts side by side: read on per input, `next(file=)`). When no
+        """Order the waiting prompts anew, now, in one sorted pass (inside write(); `_select`). When no
         waiting prompt has a key (all shorter than the first anchor) there is nothing to group: the plan
         is the feed's own order and no sorted pass is made. Returns how many are planned."""
+        self.cancel(wait=False)  # a pass beside the feed would install an older order
         self.db.execute("DELETE FROM plan")
         self.db.execute("DELETE FROM plan_cursors")
-        keyed = self.db.execute("SELECT 1 FROM prompts WHERE state = 0 AND length(pk) > 0 LIMIT 1").fetchone()
+        select, keyed_sql, _ = self._select()
+        keyed = self.db.execute(keyed_sql).fetchone()
         n = 0
         if keyed is not None:
-            by_input = self.store.get_meta(FEED_ORDER) == "input"
-            # a LoRA adapter's prompts together (producer/plan.py: its group starts a key of odd length)
-            group = f"CASE WHEN length(pk) % 2 THEN substr(pk, 1, {GROUP_BYTES}) END"
-            # longest expected work first per family (prompts of one key: a document's questions), so a
-            # family asking for several lengths is not cut into bands; a prompt without a key is its own
-            family = "CASE WHEN length(pk) > 0 THEN MAX(cost) OVER (PARTITION BY pk) ELSE cost END"
-            order = f"{group}, {family} DESC, pk, seq"
-            n = self.db.execute(f"INSERT INTO plan (seq, file) SELECT seq, file FROM prompts WHERE state = 0 "
-                                f"ORDER BY {'file, ' if by_input else ''}{order}").rowcount
+            n = self.db.execute(f"INSERT INTO plan (seq, file) {select}").rowcount
         self.db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                             [(PLAN_CURSOR, "0"), (PLAN_STALE, "0"), (PLAN_KEYLESS, "0" if keyed else "1")])
         return n
 
+    def cancel(self, *, wait: bool) -> None:
+        """Stop a sorted pass running beside the feed (`Store.close`: `wait` for its thread)."""
+        build, self._build = self._build, None
+        if build is not None:
+            build.cancel(wait=wait)
+            if build.done.is_set() and not self.store.readonly:  # it finished: its table is left
+                self.db.execute(f"DROP TABLE IF EXISTS {build.table}")
+
     def next(self, limit: int, *, file: int | None = None) -> list[PlanRow] | None:
         """Up to `limit` WAITING prompts after the cursor (of input `file`, or of the whole plan), in plan
         order; None when the plan is the feed's own order (no waiting prompt has a key). A stale plan
-        is rebuilt first once no prompt became WAITING for SETTLED_S, or when it has nothing left: a
-        run of 10M prompts is fed while an enqueue still stores it, by a plan of what was there (rebuilt
-        when that runs dry, not at every feed pass over all that waits), and planned whole once the
-        enqueue is done."""
+        is ordered again once no prompt became WAITING for SETTLED_S, or when it has nothing left: a
+        run of 10M prompts is fed while an enqueue still stores it, by a plan of what was there (built
+        again when that runs dry, not at every feed pass over all that waits), and planned whole once
+        the enqueue is done. A pass beside the feed is installed here when it has finished; until then
+        this reads on in the plan there is (nothing left: the store feeds by expected work)."""
         since = float(self.store.get_meta(PLAN_STALE) or 0)  # when prompts last became WAITING unplanned
         stale = since > 0
-        if stale and time.time() - since > SETTLED_S:
-            self.rebuild()
-            stale = False
+        if self._build is not None and self._build.done.is_set():
+            stale = self._install()
+        if stale and self._build is None and time.time() - since > SETTLED_S:
+            stale = self._order_again()
         if not stale and self.store.get_meta(PLAN_KEYLESS) == "1":
             return None
         rows = self._after(self._cursor(file), limit, file)
-        if not rows and stale:
-            self.rebuild()
-            if self.store.get_meta(PLAN_KEYLESS) == "1":
+        if not rows and stale and self._build is None:
+            stale = self._order_again()
+            if not stale and self.store.get_meta(PLAN_KEYLESS) == "1":
                 return None
-            rows = self._after(0, limit, file)
+            rows = self._after(self._cursor(file), limit, file)
         return rows
+
+    def _order_again(self) -> bool:
+        """Rebuild now (few waiting) or start a pass beside the feed (many). Returns: still stale?"""
+        if self.store.counts()["waiting"] < BACKGROUND_FROM:
+            self.rebuild()
+            return False
+        if not self.beside:
+            return True
+        select, keyed, by_input = self._select()
+        self._build = Build(self.store.path, select=select, keyed=keyed, by_input=by_input, stale_key=PLAN_STALE)
+        return True
+
+    def _install(self) -> bool:
+        """A finished pass becomes the plan (inside write()). Returns: still stale? (prompts became
+        WAITING after its snapshot). One that failed, or that a newer order overtook, is dropped and the
+        plan rebuilt here as before."""
+        build, self._build = self._build, None
+        assert build is not None
+        now = self.store.get_meta(PLAN_STALE) or "0"
+        by_input = self.store.get_meta(FEED_ORDER) == "input"
+        for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name GLOB ? "
+                                       "AND name != ?", (f"{BUILD_TABLES}*", build.table)).fetchall():
+            self.db.execute(f"DROP TABLE {name}")  # a pass a killed head left
+        made = self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                               (build.table,)).fetchone() is not None
+        if build.error is not None or not made or build.by_input != by_input or (now == "0" != build.seen_stale):
+            if made:
+                self.db.execute(f"DROP TABLE {build.table}")
+            if now == "0":  # a rebuild came after its snapshot: the plan is newer than the pass
+                return False
+            self.rebuild()
+            return False
+        self.db.execute("DROP TABLE plan")
+        self.db.execute(f"ALTER TABLE {build.table} RENAME TO plan")
+        self.db.execute("DELETE FROM plan_cursors")
+        still = now != build.seen_stale
+        self.db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                            [(PLAN_CURSOR, "0"), (PLAN_STALE, now if still else "0"),
+                             (PLAN_KEYLESS, "1" if build.keyless else "0")])
+        return still
 
     def _cursor(self, file: int | None) -> int:
         if file is None:

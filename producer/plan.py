@@ -73,6 +73,7 @@ def conversation(canon: bytes) -> bytes:
 
 _SEEDS: dict[str, int] = {}
 _PACK = [struct.Struct(f">{n}H") for n in range(len(ANCHORS) + 1)]
+_PACK1 = _PACK[1].pack
 
 
 def prefix_key(canon: bytes, model: str = "", field: str | None = None) -> bytes:
@@ -95,6 +96,8 @@ def prefix_key(canon: bytes, model: str = "", field: str | None = None) -> bytes
         if len(_SEEDS) < 1024:  # the models of a run are few; a run of many is only not cached
             _SEEDS[model] = crc
     crc32 = zlib.crc32
+    if n < ANCHORS[1]:  # one component: most prompts of a few hundred tokens (no loop, no list)
+        return _PACK1(crc32(canon[at:at + ANCHORS[0]], crc) & 0xFFFF)
     parts = []
     done = at
     for anchor in ANCHORS:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,3 +207,48 @@ def test_a_process_that_feeds_once_leaves_a_large_stores_plan_to_the_head(tmp_pa
         rows = head.next_to_feed(100)
     assert [r.cid for r in rows] == planned_order(tmp_path, items, [r.cid for r in first])  # the 43 left
     head.close()
+
+
+_KILLED_MID_PASS = """
+import os, sys, time
+from pathlib import Path
+import producer.store
+from producer.store import Store
+producer.store.BACKGROUND_FROM = 1
+s = Store.open(Path(sys.argv[1]), run="t")
+with s.write():
+    s.next_to_feed(1)
+while not s.db.execute("SELECT 1 FROM sqlite_master WHERE name GLOB 'plan_build_*'").fetchone():
+    time.sleep(0.005)
+print("copying", flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_head_killed_during_a_pass_leaves_a_table_the_next_install_drops_and_feeds_each_prompt_once(
+        tmp_path: Path, beside: None) -> None:
+    items = bodies()
+    path = tmp_path / "r.sqlite"
+    s = Store.create_or_open(path, run="t")
+    insert(s, items)
+    s.close()
+    child = subprocess.run([sys.executable, "-c", _KILLED_MID_PASS, str(path)], capture_output=True, text=True,
+                           timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert child.returncode == -9 and child.stdout == "copying\n", child.stderr
+    left = build_tables(path)
+    assert len(left) == 1
+    head = Store.open(path, run="t")
+    fed: list[str] = []
+    for _ in range(200):
+        with head.write():
+            rows = head.next_to_feed(7)
+            head.fed_rows(rows)
+        fed += [r.cid for r in rows]
+        if not rows and head.plan.building is None:
+            break
+        if head.plan.building is not None:
+            head.plan.building.done.wait(30)
+    assert sorted(fed) == sorted(f"c{i}" for i in range(len(items))) and len(fed) == len(set(fed))
+    assert left[0] not in build_tables(path)
+    head.close()
+    assert build_tables(path) == []

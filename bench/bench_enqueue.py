@@ -16,7 +16,9 @@ RQ's `Queue.enqueue_many` measured in the same run.
    code on PYTHONPATH, this venv), `--ab-repeat` times each, interleaved, without a head, each into a
    fresh store: the median and the range of each, and this tree's ratio to each.
 2. plan: the same file enqueued with the plan and with --no-plan (short prompts, and N/5 few-shot
-   prompts of ~1.6 KB that the plan keys at several anchors), interleaved, and the plan's sorted pass.
+   prompts of ~1.6 KB that the plan keys at several anchors; `--keyed`: N prompts of ~626 B sharing 1,000
+   openings instead), interleaved, and the plan's sorted pass inside one feed transaction and beside a
+   feed loop (the longest feed transaction while it ran).
 3. layout: `layout-n` prompts of `words` random words each, all queued (a window as big as the run),
    Redis bytes per queued prompt beyond its text: our job layout vs enqueue_many's. Best of `repeat`.
 """
@@ -271,6 +273,7 @@ store = Store.open(Path(sys.argv[1]), run=sys.argv[2])
 t0 = time.perf_counter()
 with store.write():
     n = store.plan.rebuild()
+store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # its pages into the file: part of its cost, not the next's
 dt = time.perf_counter() - t0
 # the same pass beside a feed loop (what the head does from BACKGROUND_FROM waiting prompts): 64 prompts
 # a feed transaction every 20 ms until the pass is installed; the longest feed transaction meanwhile
@@ -296,9 +299,12 @@ def bench_plan(a: argparse.Namespace, work: Path) -> None:
     plan (`Plan.rebuild`, in a process of its own: its time and peak RSS)."""
     here = Path(__file__).resolve().parents[1]
     files = {"short": (work / "short.jsonl", a.n), "fewshot": (work / "fewshot.jsonl", max(1, a.n // 5))}
+    if a.keyed:  # --keyed: N prompts of ~626 B sharing 1,000 openings instead (the 10M case)
+        files = {"keyed": (work / "keyed.jsonl", a.n)}
+    makers = {"short": short_prompts, "fewshot": fewshot_prompts, "keyed": keyed_prompts}
     for name, (path, n) in files.items():
         if not path.exists():
-            (short_prompts if name == "short" else fewshot_prompts)(path, n)
+            makers[name](path, n)
     print(f"the plan at enqueue, {a.ab_repeat} runs of each, interleaved (no head): median (range); CPU of the whole "
           "process; the plan's sorted pass again, alone")
     with PrivateRedis() as redis_proc:
@@ -376,7 +382,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=1_000_000, help="short prompts enqueued into the store")
     ap.add_argument("--keyed", action="store_true",
-                    help="store: prompts of ~640 B sharing 1,000 openings, which the plan keys and sorts")
+                    help="store, plan: prompts of ~640 B sharing 1,000 openings, which the plan keys and sorts")
     ap.add_argument("--baseline-n", type=int, default=200_000, help="of them through rq enqueue_many")
     ap.add_argument("--layout-n", type=int, default=50_000)
     ap.add_argument("--words", type=int, default=60, help="words per prompt in the layout measure")

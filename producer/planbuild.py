@@ -10,8 +10,8 @@ its own, in two steps that never hold the writer lock for long:
    order into a TEMP table, which lives in the connection's private temporary database (spilled to a
    temporary file as it grows; SQLite's sorter is bounded the same way), so the store's lock is not
    taken. The snapshot also reads `plan_stale`: what it holds then is what this plan covers.
-2. **copy**, into a table of the store named for this build, `CHUNK` rows per write transaction (a
-   few milliseconds each: the head's writers wait at most that long).
+2. **copy**, into a table of the store named for this build, `CHUNK` rows per write transaction (~10 ms
+   each), pausing as long after each: a writer of the head's waits about one chunk, not the copy.
 
 The head installs a finished build in one of its own write transactions (`Plan.next`): the build's
 table becomes `plan`, the cursors start again, and the plan is current unless prompts became WAITING
@@ -27,13 +27,14 @@ import itertools
 import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 from .storefile import connect
 
 __all__ = ["BUILD_TABLES", "CHUNK", "Build"]
 
-CHUNK = 50_000  # plan rows per write transaction of the copy (~10 ms each)
+CHUNK = 20_000  # plan rows per write transaction of the copy (~10 ms each)
 BUILD_TABLES = "plan_build_"  # the prefix of a build's table (one left by a killed head is dropped at install)
 _NUMBERS = itertools.count(1)
 
@@ -114,9 +115,14 @@ class Build:
         for lo in range(0, last, CHUNK):
             if self._cancelled:
                 raise InterruptedError("cancelled")
+            held = time.monotonic()
             with _writing(db):
                 db.execute(f"INSERT INTO {self.table} (pos, seq, file) SELECT rowid, seq, file FROM temp.sorted "
                            "WHERE rowid > ? AND rowid <= ? ORDER BY rowid", (lo, lo + CHUNK))
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)")  # its own pages: the head's commit never copies them
+            # as long as it held the lock: a writer polling for it (SQLite's busy handler sleeps up to
+            # 100 ms between tries) gets it, where the next chunk taken at once would starve it
+            time.sleep(min(0.1, time.monotonic() - held))
         self.rows = last
         db.execute("DROP TABLE temp.sorted")
 

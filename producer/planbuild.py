@@ -88,7 +88,7 @@ class Build:
                 with self._lock:
                     self._db = None
                 db.close()
-        except BaseException as exc:  # handed to the head, which installs nothing and says why
+        except BaseException as exc:  # handed to the head, which installs nothing and rebuilds inside its feed
             self.error = exc
         finally:
             self.done.set()

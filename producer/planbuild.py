@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from .storefile import connect
+from .storefile import connect, writing
 
 __all__ = ["BUILD_TABLES", "CHUNK", "Build"]
 
@@ -106,7 +106,7 @@ class Build:
             db.execute("COMMIT")
 
     def _copy(self, db: sqlite3.Connection) -> None:
-        with _writing(db):
+        with writing(db):
             db.execute(f"CREATE TABLE {self.table} (pos INTEGER PRIMARY KEY, seq INTEGER NOT NULL, "
                        "file INTEGER NOT NULL)")
             if self.by_input:  # `Plan.next(file=)`; rows come in (file, pos) order: appended
@@ -116,7 +116,7 @@ class Build:
             if self._cancelled:
                 raise InterruptedError("cancelled")
             held = time.monotonic()
-            with _writing(db):
+            with writing(db):
                 db.execute(f"INSERT INTO {self.table} (pos, seq, file) SELECT rowid, seq, file FROM temp.sorted "
                            "WHERE rowid > ? AND rowid <= ? ORDER BY rowid", (lo, lo + CHUNK))
             db.execute("PRAGMA wal_checkpoint(PASSIVE)")  # its own pages: the head's commit never copies them
@@ -129,21 +129,8 @@ class Build:
     def _drop(self, db: sqlite3.Connection) -> None:
         """Best effort: a table left behind is dropped by the next install."""
         try:
-            with _writing(db):
+            with writing(db):
                 db.execute(f"DROP TABLE IF EXISTS {self.table}")
         except sqlite3.Error:
             pass
 
-
-class _writing:
-    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error) on the build's connection."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.db.execute("BEGIN IMMEDIATE")
-        return self.db
-
-    def __exit__(self, kind: object, *_: object) -> None:
-        self.db.execute("COMMIT" if kind is None else "ROLLBACK")

@@ -44,7 +44,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from enum import IntEnum
 from pathlib import Path
 from typing import NamedTuple
@@ -54,7 +54,7 @@ from batchfleet.records import ENDPOINTS
 from .fingerprint import FileFingerprint, canonical, canonical_request, fingerprint
 from .plan import GROUP_BYTES, PlanRow, adapter_group
 from .planbuild import BUILD_TABLES, Build
-from .storefile import READABLE, SCHEMA_VERSION, connect, create, migrate
+from .storefile import READABLE, SCHEMA_VERSION, connect, create, migrate, writing
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -312,16 +312,9 @@ class Store(StoreReads):
         self.db.close()
 
     # --- transactions -------------------------------------------------------------------------------
-    @contextmanager
-    def write(self) -> Iterator[sqlite3.Connection]:
+    def write(self) -> AbstractContextManager[sqlite3.Connection]:
         """One write transaction holding SQLite's writer lock from its first statement."""
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self.db
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+        return writing(self.db)
 
     @contextmanager
     def read(self) -> Iterator[None]:

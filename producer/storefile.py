@@ -12,6 +12,8 @@ import socket
 import sqlite3
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
@@ -118,6 +120,19 @@ def create(path: Path, run: str) -> None:
             Path(f"{tmp}{suffix}").unlink(missing_ok=True)
 
 
+@contextmanager
+def writing(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One write transaction holding SQLite's writer lock from its first statement (BEGIN IMMEDIATE),
+    rolled back on any error."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
 def connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
     """A connection in autocommit mode: transactions are explicit (BEGIN IMMEDIATE / BEGIN), never implicit."""
     if readonly:
@@ -134,8 +149,7 @@ def connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
 def migrate(db: sqlite3.Connection, schema: str) -> str:
     """Bring a store of layout `schema` up to this one, in one transaction (another process may have
     done it meanwhile); returns the layout it has then."""
-    db.execute("BEGIN IMMEDIATE")
-    try:
+    with writing(db):
         schema = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0]
         if schema == "2":
             _migrate_2(db)
@@ -144,10 +158,6 @@ def migrate(db: sqlite3.Connection, schema: str) -> str:
             _run(db, _MIGRATE_3)
             schema = "4"
         db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (schema,))
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
     return schema
 
 

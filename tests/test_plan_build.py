@@ -60,6 +60,21 @@ def build_tables(path: Path) -> list[str]:
         db.close()
 
 
+def feed_all(s: Store, limit: int) -> list[str]:
+    """Feed until nothing is left, a pass beside the feed awaited when one runs: the custom_ids fed."""
+    fed: list[str] = []
+    for _ in range(200):
+        with s.write():
+            rows = s.next_to_feed(limit)
+            s.fed_rows(rows)
+        fed += [r.cid for r in rows]
+        if s.plan.building is not None:
+            s.plan.building.done.wait(30)
+        elif not rows:
+            break
+    return fed
+
+
 @pytest.fixture
 def beside(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(producer.store, "BACKGROUND_FROM", 1)  # every pass runs beside the feed
@@ -170,19 +185,12 @@ def test_closing_the_store_stops_a_pass_and_leaves_every_prompt_waiting(tmp_path
     with s.write():
         s.next_to_feed(1)
     assert s.plan.building is not None
-    s.close()  # `producer enqueue` ends this way: its one feed pass started a pass it does not wait for
+    s.close()  # a head stopped in the middle of a pass (SIGTERM): the pass stops with it
     assert build_tables(path) == []
     s = Store.open(path, run="t")
     with s.read():
         assert s.counts()["waiting"] == len(items)
-    fed: list[str] = []
-    for _ in range(100):
-        with s.write():
-            rows = s.next_to_feed(10)
-            s.fed_rows(rows)
-        fed += [r.cid for r in rows]
-        if not rows:
-            break
+    fed = feed_all(s, 10)
     assert sorted(fed) == sorted(f"c{i}" for i in range(len(items))) and len(fed) == len(set(fed))
     s.close()
 
@@ -238,16 +246,7 @@ def test_a_head_killed_during_a_pass_leaves_a_table_the_next_install_drops_and_f
     left = build_tables(path)
     assert len(left) == 1
     head = Store.open(path, run="t")
-    fed: list[str] = []
-    for _ in range(200):
-        with head.write():
-            rows = head.next_to_feed(7)
-            head.fed_rows(rows)
-        fed += [r.cid for r in rows]
-        if not rows and head.plan.building is None:
-            break
-        if head.plan.building is not None:
-            head.plan.building.done.wait(30)
+    fed = feed_all(head, 7)
     assert sorted(fed) == sorted(f"c{i}" for i in range(len(items))) and len(fed) == len(set(fed))
     assert left[0] not in build_tables(path)
     head.close()

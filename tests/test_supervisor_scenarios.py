@@ -148,6 +148,10 @@ def test_a_mamba_capped_fleet_is_mamba_bound_every_window_short_or_long(tmp_path
         assert advice.data["evidence"] == "start-up facts", sup.output()
         assert not [e for e in before if e.kind == "stall" or "not worth" in e.message], sup.output()
         assert advice.data["windows"] == 1 or waited, sup.output()
+        # the advice may come from one server's facts while the other still starts on a loaded machine
+        # (the class of a server not serving yet is "restarting"): observe once both serve
+        fleet.wait_for(lambda: [s.state for s in fleet.statuses()] == [WorkerState.SERVING] * 2, 90,
+                       "both servers serving")
         first = len(fleet.r.xrange(fleet.k.history))  # samples from here on carry the classes of a window
         fleet.wait_for(lambda: len(fleet.r.xrange(fleet.k.history)) >= first + 5 * 6, 60, "5 more windows")
         assert fleet.finished() < prompts, "the run drained during the observation: add prompts"
@@ -157,7 +161,8 @@ def test_a_mamba_capped_fleet_is_mamba_bound_every_window_short_or_long(tmp_path
         fleet.stop_all()
     samples = [orjson.loads(f[b"s"]) for _, f in fleet.r.xrange(fleet.k.history)][first:]
     seen = [sorted({g["class"] for g in s["gpus"].values()}) for s in samples]
-    assert all(c == ["mamba-bound"] for c in seen), (seen, sup.output())
+    odd = [s["gpus"] for s, c in zip(samples, seen, strict=True) if c != ["mamba-bound"]]
+    assert not odd, (len(odd), odd[:2], sup.output())
     assert not sup.events("diagnosis") and not sup.events("restarted"), sup.output()
     assert status.facts.cap_cause == "mamba" and status.facts.mamba_pool and status.facts.slots_per_request == 5
 

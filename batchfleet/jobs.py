@@ -128,24 +128,24 @@ def read_job(jid: str, data: bytes, run: str) -> Prompt:
         raise JobRefused(f"job function {func[:100]!r} is not on batchfleet's allow-list")
     if len(args) != 1 or kwargs or not isinstance(args[0], dict):
         raise JobRefused("a batchfleet job takes exactly one prompt argument")
-    if args[0].get(TRIMMED) is True:  # a failed job trimmed after its result was collected
-        their_run, cid = args[0].get("run"), args[0].get("cid")
-        if their_run == run and isinstance(cid, str) and jid == job_id_for(run, cid):
-            raise Trimmed(cid)
-        raise JobRefused("trimmed job of another run, or whose id is not its custom_id's")
+    record = args[0]
+    # Whose job it is, from its raw fields, before anything else is read of it: a trimmed one too
+    their_run, cid = record.get("run"), record.get("cid")
+    if not their_run or not isinstance(their_run, str):
+        raise JobRefused("job names no run (batchfleet's producer always writes one): not run")
+    if their_run != run:
+        # Its result would land in this run's stream and never reach its own export. Loud, and
+        # recoverable: `rq requeue` once workers of run {their_run} serve this queue.
+        raise JobRefused(f"job of run {their_run[:60]!r} on a queue served by run {run!r}: "
+                         "give each run queues of its own")
+    if not isinstance(cid, str) or jid != job_id_for(run, cid):
+        raise JobRefused("job id is not the one its run and custom_id give: not written by `producer enqueue`")
+    if record.get(TRIMMED) is True:  # a failed job trimmed after its result was collected
+        raise Trimmed(cid)
     try:
-        prompt = decode(Prompt, args[0])
+        prompt = decode(Prompt, record)
     except (RecordError, KeyError, TypeError, ValueError) as exc:
         raise JobRefused(f"malformed prompt record: {exc}") from exc
-    if not prompt.run:
-        raise JobRefused("job names no run (batchfleet's producer always writes one): not run")
-    if prompt.run != run:
-        # Its result would land in this run's stream and never reach its own export. Loud, and
-        # recoverable: `rq requeue` once workers of run {prompt.run} serve this queue.
-        raise JobRefused(f"job of run {prompt.run[:60]!r} on a queue served by run {run!r}: "
-                         "give each run queues of its own")
-    if jid != job_id_for(prompt.run, prompt.cid):
-        raise JobRefused("job id is not the one its run and custom_id give: not written by `producer enqueue`")
     try:
         check_body(prompt.url, prompt.body, size_bytes=len(data))
     except InvalidPrompt as exc:

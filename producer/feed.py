@@ -33,7 +33,7 @@ from batchfleet.fleetview import read_fleet_view
 from batchfleet.jobs import job_data, job_id_for, prompt_wire
 from batchfleet.keys import RQ_QUEUES, Keys
 
-from .plan import Dealer, PlanRow
+from .plan import Dealer, PlanRow, Unit
 from .scripts import FEED
 from .share import FairShare
 from .store import FEED_ORDER, Store
@@ -108,7 +108,6 @@ class Feeder:
         self.store = store
         self.keys = Keys(config.run)
         self.dealer = Dealer()  # the plan's units and which queue each goes to (affinity while it lives)
-        self.predicted: dict[str, tuple[int, int]] = {}
         self.share = FairShare(half_life_s=config.share_half_life_s)
         self._shared = False
 
@@ -192,8 +191,8 @@ class Feeder:
             rows = self.store.next_to_feed(limit, file=file)
             if not rows:
                 return rows
-            dealt = self._deal(rows, left)
-            taken = {q: sum(len(u) for u in units) for q, units in dealt.items()}
+            dealt = self.dealer.deal_rows(rows, left)
+            taken = {q: sum(len(u.rows) for u in units) for q, units in dealt.items()}
             rows = rows[:sum(taken.values())]
             _, present, per_queue = self._write_jobs(dealt, front=front)
             self.store.fed_rows(rows, file=file)
@@ -205,43 +204,23 @@ class Feeder:
                 del left[q]
         return rows
 
-    def _deal(self, rows: list[PlanRow], left: dict[str, int]) -> dict[str, list[list[tuple[PlanRow, str]]]]:
-        """queue -> its share of `rows` (a prefix of them in all), as (row, unit) lists: the plan's units
-        (`plan.Dealer`), or without a plan one row at a time, in turn. Sets `self.predicted`: per queue,
-        (bytes its new prompts share with the one before them there, their bytes)."""
-        self.predicted = {}
-        if rows[0].pos:  # in plan order
-            dealt = self.dealer.deal(self.dealer.units(rows), left)
-            self.predicted = {q: (sum(sum(u.shared) for u in units), sum(u.size for u in units))
-                              for q, units in dealt.items() if units}
-            return {q: [[(row, u.grp) for row in u.rows] for u in units] for q, units in dealt.items() if units}
-        out: dict[str, list[list[tuple[PlanRow, str]]]] = {q: [] for q in left}
-        room, order, i = dict(left), list(left), 0
-        for row in rows:
-            while room[order[i % len(order)]] == 0:
-                i += 1
-            q = order[i % len(order)]
-            out[q].append([(row, "")])
-            room[q] -= 1
-            i += 1
-            if not any(room.values()):
-                break
-        return {q: g for q, g in out.items() if g}
-
-    def _write_jobs(self, dealt: dict[str, list[list[tuple[PlanRow, str]]]], *,
-                    front: bool = False) -> tuple[int, int, list[int]]:
+    def _write_jobs(self, dealt: dict[str, list[Unit]], *, front: bool = False) -> tuple[int, int, list[int]]:
+        """The jobs of the units dealt, in one script call. With them, per queue, the plan's prediction:
+        the bytes its new prompts share with the one before them there, of their bytes."""
         k, run = self.keys, self.config.run
         jobs: list[str] = []
         argv: list[bytes | str] = []
         counts: list[int] = []
+        predicted: list[tuple[int, int]] = []
         for units in dealt.values():
-            counts.append(sum(len(u) for u in units))
+            counts.append(sum(len(u.rows) for u in units))
+            predicted.append((sum(sum(u.shared) for u in units), sum(u.size for u in units)))
             for unit in units:
-                for row, grp in unit:
+                grp = unit.grp
+                for row in unit.rows:
                     argv += (job_data(prompt_wire(row.cid, row.seq, row.url, orjson.Fragment(row.body), fp=row.fp,
                                                   pri=1 if front else 0, run=run)), grp)
                     jobs.append(Keys.job(job_id_for(run, row.cid)))
-        predicted = [self.predicted.get(q, (0, 0)) for q in dealt]
         added, present, *per_queue = FEED.call(
             self.r, keys={"done": k.done, "stats": k.stats, "queue_index": RQ_QUEUES,
                           "queues": [Keys.queue(q) for q in dealt], "jobs": jobs},

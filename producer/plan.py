@@ -202,6 +202,25 @@ class Dealer:
         self.total: dict[str, int] = {}  # queue -> bytes of its prompts' conversations
         self._turn = -1
 
+    def deal_rows(self, rows: Sequence[PlanRow], room: dict[str, int]) -> dict[str, list[Unit]]:
+        """queue -> its share of `rows` (a prefix of them in all) as units, only queues that got some: rows
+        in plan order (`pos`) as the plan's units (`units`, `deal`), others one a unit, to the queues with
+        room in turn (no prediction: nothing shared, no size)."""
+        if rows[0].pos:
+            return {q: units for q, units in self.deal(self.units(rows), room).items() if units}
+        out: dict[str, list[Unit]] = {q: [] for q in room}
+        left, order, i = dict(room), list(room), 0
+        for row in rows:
+            while left[order[i % len(order)]] == 0:
+                i += 1
+            q = order[i % len(order)]
+            out[q].append(Unit(rows=[row], shared=[0]))
+            left[q] -= 1
+            i += 1
+            if not any(left.values()):
+                break
+        return {q: units for q, units in out.items() if units}
+
     def units(self, rows: Sequence[PlanRow]) -> list[Unit]:
         """Cut rows (in plan order) into units: a unit grows while each row shares at least SHARED_MIN
         bytes with the one before it, up to `unit_max` rows."""

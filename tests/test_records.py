@@ -203,3 +203,38 @@ def test_an_answer_carried_raw_exports_byte_for_byte_as_the_parsed_one_and_is_ne
 def test_a_raw_body_that_is_not_one_object_on_one_line_is_refused(fields):
     with pytest.raises(RecordError, match="raw_body"):
         Result.from_json(orjson.dumps({"cid": "c", "jid": "j", "seq": 1, "status_code": 200, **fields}))
+
+
+def _job(record: dict) -> bytes:
+    from batchfleet.jobs import GENERATE
+    return orjson.dumps([GENERATE, None, [record], {}])
+
+
+@pytest.mark.parametrize(("jid_of", "record", "message"), [
+    (("r", "c"), {"cid": "c", "seq": 1, "url": "/v1/chat/completions", "body": {}}, "names no run"),
+    (("r", "c"), {"cid": "c", "seq": 1, "url": "/v1/chat/completions", "body": {}, "run": 7}, "names no run"),
+    (("o", "c"), {"cid": "c", "seq": 1, "url": "/v1/chat/completions", "body": {}, "run": "o"}, "job of run 'o'"),
+    (("r", "d"), {"cid": "c", "seq": 1, "url": "/v1/chat/completions", "body": {}, "run": "r"}, "job id is not"),
+    (("r", "c"), {"cid": ["c"], "seq": 1, "run": "r"}, "job id is not"),
+    (("o", "c"), {"cid": "c", "seq": 1, "trimmed": True, "run": "o"}, "job of run 'o'"),
+    (("r", "d"), {"cid": "c", "seq": 1, "trimmed": True, "run": "r"}, "job id is not"),
+    (("r", "c"), {"cid": "c", "seq": "1", "url": "/v1/chat/completions", "body": {}, "run": "r"}, "malformed prompt"),
+    (("r", "c"), {"cid": "c", "seq": 1, "url": "/v1/x", "body": {}, "run": "r"}, "request refused"),
+])
+def test_a_job_is_refused_for_whose_it_is_before_its_prompt_is_read(jid_of, record, message):
+    """A worker of run `r` refuses a job of another run, or whose id is not its custom_id's, from its
+    raw fields: a trimmed job the same way; only this run's own jobs are decoded and checked further."""
+    from batchfleet.errors import JobRefused
+    from batchfleet.jobs import job_id_for, read_job
+    with pytest.raises(JobRefused, match=message):
+        read_job(job_id_for(*jid_of), _job(record), "r")
+
+
+def test_a_trimmed_job_of_this_run_is_recognised_and_a_whole_one_is_read():
+    from batchfleet.jobs import Trimmed, job_id_for, read_job, trimmed_data
+    with pytest.raises(Trimmed) as got:
+        read_job(job_id_for("r", "c"), trimmed_data("r", "c", 3), "r")
+    assert got.value.cid == "c"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    prompt = read_job(job_id_for("r", "c"), _job(prompt_wire("c", 3, "/v1/chat/completions", chat, run="r")), "r")
+    assert (prompt.cid, prompt.seq, prompt.run, prompt.body) == ("c", 3, "r", chat)

@@ -55,12 +55,15 @@ from .keys import (
 from .marker import FINISHED
 from .records import MAX_RUNNING_RANGE, RecordError, WorkerState, WorkerStatus
 
-__all__ = ["SILENT_AFTER_S", "Eta", "FleetView", "aread_fleet_view", "duration_text", "eta_text", "read_fleet_view"]
+__all__ = ["SILENT_AFTER_S", "YIELDED_STATES", "Eta", "FleetView", "aread_fleet_view", "duration_text", "eta_text",
+           "read_fleet_view"]
 
 log = logging.getLogger("batchfleet.fleetview")
 
 SILENT_AFTER_S = 10.0  # a record not rewritten for this long (workers write every 2 s by default): silent
 MAX_TOKENS_PER_S = 1e7  # one worker's tokens/s beyond this is not a measurement
+# A queue whose live worker is in one of these states is another worker's to take whole (worker/steal.py)
+YIELDED_STATES = frozenset({WorkerState.DOWN, WorkerState.FAILED, WorkerState.DRAINING})
 _said: set[str] = set()
 
 
@@ -111,6 +114,21 @@ class FleetView:
     @property
     def live(self) -> list[WorkerStatus]:
         return [w for w in self.workers if w.worker not in self.silent]
+
+    def within_reach(self, queue: str) -> int:
+        """Of the prompts waiting in the queues read, about how many a worker of `queue` may claim: all of
+        its own queue's; of another queue (worker/steal.py) none while its worker starts, all once its
+        worker is gone (silent, or in YIELDED_STATES), else what it holds beyond one load of its worker
+        (its in-flight limit). More than 0 means prompts wait that this worker could run."""
+        owners = {w.queue: w for w in self.workers}
+        n = 0
+        for q, waiting in self.backlog.items():
+            owner = owners.get(q)
+            if q == queue or owner is None or owner.worker in self.silent or owner.state in YIELDED_STATES:
+                n += max(0, waiting)
+            elif owner.state is not WorkerState.STARTING:
+                n += max(0, waiting - max(0, min(owner.slots, MAX_RUNNING_RANGE[1])))
+        return n
 
     @property
     def is_generation(self) -> bool | None:

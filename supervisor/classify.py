@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from batchfleet.keys import PROMPT_TOKENS
+from batchfleet.keys import PROMPT_TOKENS, STORE_WAITING
 from batchfleet.records import CapCause, ServerFacts, ServerSpec, Strategy, WorkerState, WorkerStatus
 from batchfleet.sglang import flag_value
 
@@ -265,10 +265,11 @@ Judged = tuple[ServerClass, list[str], str]  # (class, reasons, evidence)
 
 
 def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, silent: bool, ended: bool,
-                  th: Thresholds) -> Judged:
+                  th: Thresholds, reach: int | None = None) -> Judged:
     """(class, reasons, evidence), checked in the order of the module docstring's table; evidence is
     "static"/"gauges" for mamba-bound, "filling" for a client-bound server whose worker is still filling
-    its slots, else ""."""
+    its slots, else "". `reach`: the prompts waiting that its worker may claim (`FleetView.within_reach`),
+    None while the store holds prompts not fed yet (an empty queue is then the feed's lag, our side)."""
     last = samples[-1]
     off = _not_serving(last, silent)
     if off is not None:
@@ -285,7 +286,7 @@ def _classify_one(samples: list[WorkerStatus], backlog: int, short_of: float, si
     # no more (worker/slots.py KvBound) leaves a queue inside: the server's, below.
     if a.offered < a.cap - th.tolerance(a.cap) and a.queued <= a.surplus + 1:
         return _offered_less(a, serving, late=2 * len(serving) < len(samples), backlog=backlog, short_of=short_of,
-                             th=th)
+                             reach=reach, th=th)
     # The worker offers the server its capacity: what the server does with it is the server's.
     return _kv_bound(a, th) or _mamba_bound(a, last, backlog, th) or _saturated(a, last.facts)
 
@@ -310,7 +311,7 @@ def _progressed(serving: list[WorkerStatus]) -> bool:
 
 
 def _offered_less(a: _Agg, serving: list[WorkerStatus], *, late: bool, backlog: int, short_of: float,
-                  th: Thresholds) -> Judged:
+                  reach: int | None, th: Thresholds) -> Judged:
     """The worker offers its server less than its capacity: our side, unless the run is ending."""
     tol = th.tolerance(a.cap)
     first, last = serving[0], serving[-1]
@@ -319,6 +320,11 @@ def _offered_less(a: _Agg, serving: list[WorkerStatus], *, late: bool, backlog: 
                               f"the worker is still filling its {a.limit} slots"], "filling"
     if backlog < short_of:
         return DRAINING, [f"the backlog ({backlog}) no longer fills the fleet's free slots ({short_of:.0f})"], ""
+    if reach is not None and reach < a.cap - a.offered:
+        # the run's tail: what is left waits in other GPUs' queues, for their own workers (worker/steal.py)
+        return DRAINING, [f"all is fed; of the {backlog} prompt(s) waiting, {reach} are within its worker's reach "
+                          f"(the rest wait for their own GPUs' workers): too few for its free slots "
+                          f"({a.cap - a.offered:.0f})"], ""
     why = [f"running {a.running:.0f} of {a.cap} while Redis holds {backlog} prompt(s): our side is slow"]
     if a.limit < a.cap - tol:
         why.append(f"the worker's in-flight limit is {a.limit} (BATCHFLEET_MAX_IN_FLIGHT), under the server's {a.cap}")
@@ -422,10 +428,14 @@ def classify_window(snapshots: Sequence[FleetSnapshot], th: Thresholds | None = 
         serving = [s for s in samples if s.state is WorkerState.SERVING]
         if serving:
             short_of += max(0.0, serving[-1].effective_max - statistics.fmean(s.in_flight for s in serving))
+    # the store's prompts not fed yet, as the head last published them (none when no head publishes)
+    fed_all = int(last.stats.get(STORE_WAITING, 0) or 0) <= 0
     views = []
     for w in last.workers:
         samples = series[w.worker]
-        cls, reasons, evidence = _classify_one(samples, backlog, short_of, w.worker in last.silent, last.finished, th)
+        reach = last.within_reach(w.queue) if fed_all else None
+        cls, reasons, evidence = _classify_one(samples, backlog, short_of, w.worker in last.silent, last.finished, th,
+                                               reach)
         serving = [s for s in samples if s.state is WorkerState.SERVING] or samples
         retracted = [s.metrics.retracted for s in serving if s.metrics.retracted is not None]
         points = []

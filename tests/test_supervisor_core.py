@@ -166,6 +166,29 @@ def test_no_peer_judgement_once_the_backlog_is_gone_or_too_small_to_fill_the_fle
         assert {str(v.cls) for v in rep.servers[1:]} == {"draining"}, [v.reasons for v in rep.servers]
 
 
+@pytest.mark.parametrize(("queues", "store_waiting", "expected"), [
+    ({"gpu1": 30}, 0, "draining"),  # all fed: the 30 left wait for gpu1's own worker (within one load of it)
+    ({"gpu0": 30}, 0, "client-bound"),  # its own queue holds them: its worker is slow
+    ({"gpu1": 74}, 0, "client-bound"),  # 30 beyond one load (44) of gpu1's worker: its to steal
+    ({"gpu1": 30}, 5, "client-bound"),  # the store holds prompts not fed: the feed lags, our side
+])
+def test_at_the_runs_tail_a_gpu_is_client_bound_only_if_prompts_wait_within_its_workers_reach(
+        queues, store_waiting, expected):
+    """A worker claims its own queue, and steals from a serving peer's only what it holds beyond one load
+    of that worker (worker/steal.py). At the run's tail, 30 prompts left in gpu1's queue, whose worker
+    holds its 44 slots, fill the fleet's free slots by count (12) but none of them is gpu0's to run."""
+    def fleet(t: float) -> list[WorkerStatus]:
+        return [ws(0, t=t, cap=22, in_flight=10, slots=44), ws(1, t=t, cap=22, in_flight=44, running=22, queued=22,
+                                                               slots=44, surplus=22)]
+    snaps = [FleetSnapshot(ts=t, workers=fleet(t), backlog={"gpu0": 0, "gpu1": 0, **queues},
+                           stats={"succeeded": 1000, "completion_tokens": 300_000, "store_waiting": store_waiting})
+             for t in (0.0, 1.0, 2.0, 3.0, 4.0)]
+    v = classify_window(snaps).servers[0]
+    assert (v.worker, str(v.cls)) == ("w0", expected), v.reasons
+    if expected == "draining":
+        assert "0 are within its worker's reach" in v.reasons[0]
+
+
 def test_a_canary_on_a_new_generation_is_not_an_outlier():
     rep = classify_window(window(lambda t: [ws(0, t=t, generation=1, cap=72, in_flight=72, tps=1065, facts=NB)]
                                  + [ws(g, t=t, facts=SEED) for g in (1, 2, 3)]))

@@ -26,7 +26,7 @@ from typing import NamedTuple, NoReturn
 
 import redis.asyncio as aioredis
 
-from batchfleet.fleetview import aread_fleet_view
+from batchfleet.fleetview import YIELDED_STATES, aread_fleet_view
 from batchfleet.keys import RQ_QUEUES, Keys
 from batchfleet.records import MAX_RUNNING_RANGE, WorkerState
 
@@ -34,9 +34,8 @@ from .redislink import every
 
 __all__ = ["ClaimOrder", "StealOrder"]
 
-# A queue whose live worker is in one of these states is another's to take whole (STARTING: not at
-# all; any other state, a newer version's too: at most half)
-_ALL = frozenset({WorkerState.DOWN, WorkerState.FAILED, WorkerState.DRAINING})
+# A queue whose live worker is in YIELDED_STATES is another's to take whole (STARTING: not at all; any
+# other state, a newer version's too: at most half)
 
 
 class ClaimOrder(NamedTuple):
@@ -80,7 +79,7 @@ class StealOrder:
             ranked.append(q)
             if owner is None:  # no record yet: a worker about to say it serves, or none
                 keep[q] = 0
-            elif owner.worker not in view.silent and owner.state not in _ALL:
+            elif owner.worker not in view.silent and owner.state not in YIELDED_STATES:
                 keep[q] = max(0, min(owner.slots, MAX_RUNNING_RANGE[1]))  # a record is data: bounded
         self.order = ClaimOrder([self.queue, *ranked], keep)
         return self.order

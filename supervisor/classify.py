@@ -9,7 +9,7 @@ Classes, checked in this order (the first that fits wins):
 | restarting | starting, draining for a new spec, or restarting | wait |
 | hung | in flight but no token and no finished prompt over the whole window | the worker's health check |
 | idle | the run has ended (its marker says so): nothing left to serve | nothing |
-| draining | no backlog left in Redis, or too little to fill the fleet's free slots | nothing |
+| draining | no backlog in Redis, or too little for the fleet's free slots or (all fed) within its reach | nothing |
 | client-bound | the worker offers its server fewer requests than it can run | ours: worker cap, dispatch, Redis |
 | kv-bound | retractions, full-KV usage high, or a queue in the server with KV near full | fewer slots |
 | mamba-bound | offered its capacity, capped by the mamba state pool, KV mostly free | a cheaper strategy |

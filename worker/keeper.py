@@ -113,6 +113,7 @@ class ServerKeeper:
         self.retry_token = retry_token or _no_token
         self._death: ServerDied | None = None
         self._restarting: dict | None = None  # set between a spec-driven stop and the next start
+        self._closed = False  # `close` was called: the worker stops, its server is not started again
         self.start_s: float | None = None  # the last start, launch to healthy (published: the restart cost)
         self.drain_s: float | None = None  # the last drain for a new spec, drain + stop (published)
         self.watch = ServerWatch(config, server, dispatcher, spec, gpu=gpu)
@@ -123,8 +124,11 @@ class ServerKeeper:
         }
 
     async def run(self) -> None:
+        """The server's life, phase after phase, until `close`: a keeper whose task outlived its cancellation
+        (redis-py may swallow one that lands inside a command) sees the server `close` stopped as no death to
+        restart, and ends."""
         phase = ServerPhase.START
-        while True:
+        while not self._closed:
             phase = await self._phases[phase]()
 
     def serving(self) -> bool:
@@ -141,6 +145,7 @@ class ServerKeeper:
         return True
 
     async def close(self) -> None:
+        self._closed = True  # first: the server stopped below is no death to restart
         self.state, self.message = WorkerState.DOWN, self.message or "stopped"
         await self.server.stop()
         if self.http is not None:

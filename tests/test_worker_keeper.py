@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from batchfleet.config import Config
 from batchfleet.errors import ServerDied
 from batchfleet.records import ServerSpec, WorkerState
+from worker.eventloop import where_it_waits
 from worker.keeper import ServerKeeper
 
 
@@ -93,6 +94,9 @@ def test_a_keeper_that_outlives_its_cancellation_does_not_restart_the_server_the
         task.cancel()
         await asyncio.wait([task], timeout=0.2)
         assert not task.done() and watch.cancelled == 1  # it outlived its cancellation
+        # what the worker's exit logs then: where it waits, innermost last
+        where = [step.split()[-1] for step in where_it_waits(task).split(" > ")]
+        assert where[-3:] == ["_serve", "until_change", "wait"], where
         await keeper.close()
         await asyncio.wait([task], timeout=2)
         ended = task.done() and not task.cancelled() and task.exception() is None

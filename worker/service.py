@@ -39,6 +39,7 @@ from batchfleet.redact import Scrubber
 from .clock import Clock
 from .dispatcher import Dispatcher
 from .drops import DropWatch
+from .eventloop import where_it_waits
 from .events import EventLog
 from .flags import server_shape
 from .keeper import ServerKeeper
@@ -125,6 +126,10 @@ class GPUService:
             for t in (serving, claiming, stop):
                 t.cancel()
             await asyncio.wait([serving, claiming, stop], timeout=10)
+            for t, what in ((serving, "server keeper"), (claiming, "claim loop")):
+                if not t.done():  # a cancellation swallowed somewhere: say where, for whoever reads the log
+                    log.warning("gpu%d: the %s did not end within 10 s of its cancellation; it waits in %s", self.gpu,
+                                what, where_it_waits(t))
             self.keeper.message = (f"configuration error: {config_error} (the worker exited {EXIT_CONFIG})"
                                    if config_error else f"stopped ({handed} prompt(s) handed back)")
             await self.keeper.close()
@@ -233,3 +238,4 @@ class GPUService:
             message=self.scrub(self.keeper.message), ts=self.clock(),
             shape=server_shape(self.server.flags or self.config.server_argv_extra), start_s=self.keeper.start_s,
             drain_s=self.keeper.drain_s, **gpu_model(self.gpu))
+

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -55,8 +56,8 @@ from .keys import (
 from .marker import FINISHED
 from .records import MAX_RUNNING_RANGE, RecordError, WorkerState, WorkerStatus
 
-__all__ = ["SILENT_AFTER_S", "YIELDED_STATES", "Eta", "FleetView", "aread_fleet_view", "duration_text", "eta_text",
-           "read_fleet_view"]
+__all__ = ["LEAVE_ALL", "SILENT_AFTER_S", "YIELDED_STATES", "Eta", "FleetView", "aread_fleet_view", "duration_text",
+           "eta_text", "read_fleet_view"]
 
 log = logging.getLogger("batchfleet.fleetview")
 
@@ -64,6 +65,7 @@ SILENT_AFTER_S = 10.0  # a record not rewritten for this long (workers write eve
 MAX_TOKENS_PER_S = 1e7  # one worker's tokens/s beyond this is not a measurement
 # A queue whose live worker is in one of these states is another worker's to take whole (worker/steal.py)
 YIELDED_STATES = frozenset({WorkerState.DOWN, WorkerState.FAILED, WorkerState.DRAINING})
+LEAVE_ALL = sys.maxsize  # `FleetView.left_to_owner` of a queue whose worker starts: a thief takes none of it
 _said: set[str] = set()
 
 
@@ -115,19 +117,29 @@ class FleetView:
     def live(self) -> list[WorkerStatus]:
         return [w for w in self.workers if w.worker not in self.silent]
 
+    def left_to_owner(self, queue: str) -> int | None:
+        """Of `queue`'s prompts, how many a worker stealing from it leaves to the worker serving it (the
+        rule of worker/steal.py): all (LEAVE_ALL) while that worker starts, as its server takes the queue as
+        soon as it is up; 0 when no worker of it has said anything yet (a thief takes half a claim of it);
+        one load of its worker (its in-flight limit, bounded: a record is data) while it serves or
+        restarts; None once it is gone (silent, or in YIELDED_STATES): all of it is another's."""
+        owner = next((w for w in self.workers if w.queue == queue), None)
+        if owner is None:
+            return 0
+        if owner.worker in self.silent or owner.state in YIELDED_STATES:
+            return None
+        if owner.state is WorkerState.STARTING:
+            return LEAVE_ALL
+        return max(0, min(owner.slots, MAX_RUNNING_RANGE[1]))
+
     def within_reach(self, queue: str) -> int:
         """Of the prompts waiting in the queues read, about how many a worker of `queue` may claim: all of
-        its own queue's; of another queue (worker/steal.py) none while its worker starts, all once its
-        worker is gone (silent, or in YIELDED_STATES), else what it holds beyond one load of its worker
-        (its in-flight limit). More than 0 means prompts wait that this worker could run."""
-        owners = {w.queue: w for w in self.workers}
+        its own queue's, and of another what a thief does not leave to its worker (`left_to_owner`). More
+        than 0 means prompts wait that this worker could run."""
         n = 0
         for q, waiting in self.backlog.items():
-            owner = owners.get(q)
-            if q == queue or owner is None or owner.worker in self.silent or owner.state in YIELDED_STATES:
-                n += max(0, waiting)
-            elif owner.state is not WorkerState.STARTING:
-                n += max(0, waiting - max(0, min(owner.slots, MAX_RUNNING_RANGE[1])))
+            keep = None if q == queue else self.left_to_owner(q)
+            n += max(0, waiting - (keep or 0))
         return n
 
     @property

@@ -238,4 +238,3 @@ class GPUService:
             message=self.scrub(self.keeper.message), ts=self.clock(),
             shape=server_shape(self.server.flags or self.config.server_argv_extra), start_s=self.keeper.start_s,
             drain_s=self.keeper.drain_s, **gpu_model(self.gpu))
-

@@ -26,16 +26,12 @@ from typing import NamedTuple, NoReturn
 
 import redis.asyncio as aioredis
 
-from batchfleet.fleetview import YIELDED_STATES, aread_fleet_view
+from batchfleet.fleetview import LEAVE_ALL, aread_fleet_view
 from batchfleet.keys import RQ_QUEUES, Keys
-from batchfleet.records import MAX_RUNNING_RANGE, WorkerState
 
 from .redislink import every
 
 __all__ = ["ClaimOrder", "StealOrder"]
-
-# A queue whose live worker is in YIELDED_STATES is another's to take whole (STARTING: not at all; any
-# other state, a newer version's too: at most half)
 
 
 class ClaimOrder(NamedTuple):
@@ -70,17 +66,14 @@ class StealOrder:
                 pipe.llen(Keys.queue(q))
             lengths = await pipe.execute()
         view = await aread_fleet_view(self.r, self.keys)
-        owners = {w.queue: w for w in view.workers}
         ranked, keep = [], {}
         for n, q in sorted(zip(lengths, others, strict=True), reverse=True):
-            owner = owners.get(q)
-            if n == 0 or (owner is not None and owner.state is WorkerState.STARTING):
+            left = view.left_to_owner(q)
+            if n == 0 or left == LEAVE_ALL:
                 continue
             ranked.append(q)
-            if owner is None:  # no record yet: a worker about to say it serves, or none
-                keep[q] = 0
-            elif owner.worker not in view.silent and owner.state not in YIELDED_STATES:
-                keep[q] = max(0, min(owner.slots, MAX_RUNNING_RANGE[1]))  # a record is data: bounded
+            if left is not None:
+                keep[q] = left
         self.order = ClaimOrder([self.queue, *ranked], keep)
         return self.order
 

@@ -124,8 +124,12 @@ def test_a_batch_holds_at_most_max_loras_per_batch_adapters_and_a_waiting_adapte
                     while (await client.get("/sim/observed")).json()[key] != value:
                         await asyncio.sleep(0.01)
 
+                # the base model's runs longest: b (a third adapter) waits for long a's end, never for the
+                # base's. With equal lengths, a machine slow to send long a's request lets the base end
+                # first; b then fits beside long a, evicts a (its prefill forward does not need it, as
+                # SGLang's pool chooses) and the next decode loads a again.
                 long_base = asyncio.create_task(post("long base", 4000, None))
-                long_a = asyncio.create_task(post("long a", 4000, "a"))
+                long_a = asyncio.create_task(post("long a", 2500, "a"))
                 await until("running", 2)  # the batch runs the base model and adapter a: both slots
                 short_b = asyncio.create_task(post("short b", 4, "b"))
                 await until("queued", 1)  # b would be a third adapter: it waits
